@@ -1,0 +1,308 @@
+"""Environment API shared by every NLAC task: tasks, task sources, the Env protocol and a batched runner.
+
+Conventions
+-----------
+* A *state* s_t is the chat history (list of ``{'role', 'content'}`` dicts with roles ``system`` / ``user`` /
+  ``assistant``) up to the agent's turn t. Rendering it through a chat template is the sampler's / trainer's job.
+* An *action* is the raw text the policy produced for one turn.
+* ``Env.step`` never raises on bad agent output: empty, over-long or unparsable actions come back as an error
+  observation with ``info['error'] = True`` (and usually still consume a turn), so a weak policy cannot crash a
+  rollout and the critic sees the consequence of its mistakes.
+* Observations are appended to the history as ``user`` messages (tool results included, see ``tau_bench.py``):
+  keeping to three roles keeps every chat template happy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+Message = dict  # {'role': 'system' | 'user' | 'assistant', 'content': str}
+Observation = list  # list[Message]: the initial chat messages returned by Env.reset
+
+DEFAULT_MAX_ACTION_CHARS = 4000
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task instance: a stable ``id``, the ``split`` it belongs to and an env-specific ``payload``."""
+
+    id: str
+    split: str
+    payload: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What ``Env.step`` returns. ``observation`` may be '' (nothing to show, e.g. after a terminal answer)."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Transition:
+    """One-step transition (s_t, a_t, r_t, s_{t+1}, done) over chat histories.
+
+    ``next_state_messages`` is the history after the action and the env's observation; when ``done`` it is the
+    terminal history (the successor model's target verbalises its outcome). ``info`` is the env's step info.
+    """
+
+    state_messages: list
+    action: str
+    reward: float
+    next_state_messages: list
+    done: bool
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Episode:
+    """A finished (or truncated) episode collected by ``BatchedRunner``."""
+
+    task: Task
+    messages: list
+    transitions: list
+    total_return: float
+    success: bool
+    length: int
+    num_errors: int
+    truncated: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """Text environment protocol. Instances are reusable: ``reset`` starts a fresh episode on ``task``."""
+
+    max_turns: int
+
+    def reset(self, task: Task) -> Observation:
+        """Start an episode; returns the initial chat messages (system prompt + first user message)."""
+
+    def step(self, action_text: str) -> StepResult:
+        """Apply one agent action; never raises on malformed agent output."""
+
+
+class EnvBase:
+    """Convenience base class: action validation and the optional optimality hooks (None = unknown)."""
+
+    max_turns: int = 1
+    max_action_chars: int = DEFAULT_MAX_ACTION_CHARS
+
+    def validate_action(self, action_text: Any) -> Optional[str]:
+        """Return an error message for an empty / non-string / over-long action, else None."""
+        if not isinstance(action_text, str):
+            return f"Error: the action must be text, got {type(action_text).__name__}."
+        if not action_text.strip():
+            return "Error: your message was empty. Please reply with a non-empty message."
+        if len(action_text) > self.max_action_chars:
+            return (f"Error: your message was {len(action_text)} characters long; the limit is "
+                    f"{self.max_action_chars}. Please reply more concisely.")
+        return None
+
+    def optimal_actions(self, history: Sequence[Message]) -> Optional[set]:
+        """The set of optimal actions in the state ``history``, or None when the env cannot tell."""
+        return None
+
+    def is_action_optimal(self, state: Sequence[Message], action: str) -> Optional[bool]:
+        """Whether ``action`` is optimal in ``state`` (a message history); None when the env cannot tell."""
+        return None
+
+
+class TaskCursor:
+    """Deterministic, resumable iterator over a split: reshuffles every epoch from (seed, epoch).
+
+    ``state_dict()`` is a small JSON-able dict; ``TaskSource.iterate(split, seed, state=...)`` resumes from it.
+    """
+
+    def __init__(self, tasks: Sequence[Task], split: str, seed: int, shuffle: bool = True,
+                 state: Optional[Mapping[str, Any]] = None):
+        if not tasks:
+            raise ValueError(f"split {split!r} has no tasks")
+        self._tasks = list(tasks)
+        self.split, self.seed, self.shuffle = split, int(seed), shuffle
+        self.epoch, self.index = 0, 0
+        if state is not None:
+            self.load_state_dict(state)
+        self._order = self._make_order()
+
+    def _make_order(self) -> list:
+        order = list(range(len(self._tasks)))
+        if self.shuffle:
+            # String seeding of random.Random is stable across processes and Python versions (unlike hash()).
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[Task]:
+        return self
+
+    def __next__(self) -> Task:
+        if self.index >= len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._make_order()
+        task = self._tasks[self._order[self.index]]
+        self.index += 1
+        return task
+
+    def take(self, n: int) -> list:
+        """The next ``n`` tasks."""
+        return [next(self) for _ in range(n)]
+
+    def state_dict(self) -> dict:
+        """Small dict that restores this cursor's position."""
+        return {'split': self.split, 'seed': self.seed, 'epoch': self.epoch, 'index': self.index,
+                'num_tasks': len(self._tasks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position saved by ``state_dict`` (the split's task list must be unchanged)."""
+        if state.get('split', self.split) != self.split:
+            raise ValueError(f"cursor state is for split {state['split']!r}, not {self.split!r}")
+        if state.get('num_tasks', len(self._tasks)) != len(self._tasks):
+            raise ValueError(f"cursor state num_tasks={state['num_tasks']} but split {self.split!r} "
+                             f"has {len(self._tasks)} tasks")
+        self.seed = int(state.get('seed', self.seed))
+        self.epoch, self.index = int(state['epoch']), int(state['index'])
+        self._order = self._make_order()
+
+
+class TaskSource:
+    """Named splits of tasks. Subclasses implement ``_load(split)``; results are cached per split."""
+
+    splits: tuple = ('train', 'test')
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def _load(self, split: str) -> list:
+        raise NotImplementedError
+
+    def tasks(self, split: str) -> list:
+        """All tasks of ``split`` in a fixed order; raises ValueError naming the split when unknown."""
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r} for {type(self).__name__}; known: {list(self.splits)}")
+        if split not in self._cache:
+            self._cache[split] = list(self._load(split))
+        return list(self._cache[split])
+
+    def iterate(self, split: str, seed: int = 0, shuffle: bool = True,
+                state: Optional[Mapping[str, Any]] = None) -> TaskCursor:
+        """Endless deterministic cursor over ``split`` (see ``TaskCursor``)."""
+        return TaskCursor(self.tasks(split), split, seed, shuffle=shuffle, state=state)
+
+
+class ListTaskSource(TaskSource):
+    """TaskSource over in-memory task lists, e.g. ``ListTaskSource({'train': [...], 'test': [...]})``."""
+
+    def __init__(self, splits: Mapping[str, Sequence[Task]]):
+        super().__init__()
+        self._lists = {k: list(v) for k, v in splits.items()}
+        self.splits = tuple(self._lists)
+
+    def _load(self, split: str) -> list:
+        return self._lists[split]
+
+
+PolicyFn = Callable[[list], list]  # list of message histories -> list of action texts
+
+
+class BatchedRunner:
+    """Plays many episodes at once with ONE batched ``policy_fn`` call per turn.
+
+    ``envs`` is a pool of env instances (all of the same kind or not); ``run(tasks)`` assigns tasks to free envs,
+    and an env whose episode ends picks up the next pending task, so the batch stays full while episodes of
+    different lengths finish at different times. ``max_turns`` (optional) caps every episode below the env's own
+    limit; an episode cut by this cap is marked ``truncated`` and its last transition has ``done=False`` (it is
+    not a true terminal state, so a TD critic should bootstrap from it).
+    """
+
+    def __init__(self, envs: Sequence[Env], policy_fn: PolicyFn, max_turns: Optional[int] = None):
+        if not envs:
+            raise ValueError("BatchedRunner needs at least one env")
+        self.envs = list(envs)
+        self.policy_fn = policy_fn
+        self.max_turns = max_turns
+
+    def run(self, tasks: Sequence[Task]) -> list:
+        """Play every task once; returns Episodes in the order of ``tasks``."""
+        pending = list(enumerate(tasks))[::-1]  # pop() from the end = FIFO
+        results: list = [None] * len(tasks)
+        slots: list = [None] * len(self.envs)  # per env: dict with the running episode's bookkeeping
+
+        def start(i_env: int) -> None:
+            if not pending:
+                slots[i_env] = None
+                return
+            idx, task = pending.pop()
+            env = self.envs[i_env]
+            messages = [dict(m) for m in env.reset(task)]
+            limit = env.max_turns if self.max_turns is None else min(env.max_turns, self.max_turns)
+            slots[i_env] = dict(idx=idx, task=task, messages=messages, transitions=[], ret=0.0, errors=0,
+                                turns=0, limit=limit, info={})
+
+        for i in range(len(self.envs)):
+            start(i)
+        while any(s is not None for s in slots):
+            active = [i for i, s in enumerate(slots) if s is not None]
+            histories = [copy.deepcopy(slots[i]['messages']) for i in active]
+            actions = self.policy_fn(histories)
+            if len(actions) != len(active):
+                raise ValueError(f"policy_fn returned {len(actions)} actions for {len(active)} histories")
+            for i, action in zip(active, actions):
+                s = slots[i]
+                action = action if isinstance(action, str) else str(action)
+                res = self.envs[i].step(action)
+                state = copy.deepcopy(s['messages'])
+                s['messages'].append({'role': 'assistant', 'content': action})
+                if res.observation:
+                    s['messages'].append({'role': 'user', 'content': res.observation})
+                s['turns'] += 1
+                s['ret'] += float(res.reward)
+                s['errors'] += int(bool(res.info.get('error', False)))
+                truncated = (not res.done) and s['turns'] >= s['limit']
+                info = dict(res.info)
+                if truncated:
+                    info['truncated'] = True
+                s['transitions'].append(Transition(state, action, float(res.reward),
+                                                   copy.deepcopy(s['messages']), bool(res.done), info))
+                if res.done or truncated:
+                    results[s['idx']] = Episode(
+                        task=s['task'], messages=s['messages'], transitions=s['transitions'],
+                        total_return=s['ret'], success=bool(info.get('success', False)), length=s['turns'],
+                        num_errors=s['errors'], truncated=truncated, info=info)
+                    start(i)
+        return results
+
+
+def pass_hat_k(successes_per_task: Sequence[Sequence[bool]], k: int) -> float:
+    """τ-bench's pass^k: mean over tasks of comb(c, k) / comb(n, k) (n trials, c successes per task).
+
+    pass^1 is the plain success rate; pass^k is the chance that k i.i.d. trials of a task ALL succeed.
+    """
+    from math import comb
+    vals = []
+    for trials in successes_per_task:
+        n, c = len(trials), sum(bool(t) for t in trials)
+        if k > n:
+            raise ValueError(f"pass^{k} needs at least {k} trials per task, got {n}")
+        vals.append(comb(c, k) / comb(n, k))
+    if not vals:
+        raise ValueError("pass_hat_k needs at least one task")
+    return sum(vals) / len(vals)
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict:
+    """Mean return / success / length / errors over episodes (plain floats)."""
+    n = max(len(episodes), 1)
+    return {
+        'num_episodes': len(episodes),
+        'mean_return': sum(e.total_return for e in episodes) / n,
+        'success_rate': sum(e.success for e in episodes) / n,
+        'mean_length': sum(e.length for e in episodes) / n,
+        'errors_per_episode': sum(e.num_errors for e in episodes) / n,
+        'truncated_rate': sum(e.truncated for e in episodes) / n,
+    }

@@ -1,0 +1,185 @@
+"""Toy task: guess the hidden number in [1, N]; the env answers "higher" / "lower" / "correct".
+
+Rules: the agent's action is parsed for its FIRST integer (e.g. "My guess is 37." -> 37). No integer -> error
+observation (the turn is still used up: the turn limit is a hard budget). Reward 1 on the turn the number is found,
+0 on every other turn; the episode ends when found or after ``max_turns`` turns (success = found).
+
+Optimality (``is_action_optimal``), the exact rule: let [lo, hi] be the interval still consistent with the feedback
+so far (n = hi - lo + 1 values) and r the number of turns left INCLUDING the current one. With r turns a binary
+search can guarantee to find any of at most 2^r - 1 values. A guess g splits the interval into a = g - lo values
+below and b = hi - g above; the number of values it still guarantees to find is
+``covered(g) = 1 + min(a, 2^(r-1) - 1) + min(b, 2^(r-1) - 1)`` for lo <= g <= hi and 0 outside.
+An action is optimal iff covered(g) == min(n, 2^r - 1), the best any guess can do. Equivalently: it maximises the
+success probability under a uniform prior over the consistent values. When the game can still be guaranteed
+(n <= 2^r - 1) this says "g is in the interval and both sides fit in the remaining r - 1 turns". Guesses outside
+the interval, unparsable actions, and actions after the game has ended are never optimal.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Sequence
+
+import gin
+
+from nlac_jax.envs.base import DEFAULT_MAX_ACTION_CHARS, EnvBase, StepResult, Task, TaskSource
+
+_INT_RE = re.compile(r'-?\d+')
+
+SYSTEM_PROMPT = ("You are playing a number guessing game. I am thinking of a whole number between 1 and {n} "
+                 "(inclusive). Each turn, reply with a single guess; I will answer \"higher\" if my number is "
+                 "larger, \"lower\" if it is smaller, or \"correct\". You have {turns} guesses.")
+FIRST_USER = "I'm thinking of a number between 1 and {n}. What is your first guess?"
+
+
+def binary_search_turns(n: int) -> int:
+    """ceil(log2(n + 1)): guesses a binary search needs in the worst case over [1, n]."""
+    return max(1, math.ceil(math.log2(n + 1)))
+
+
+def parse_guess(text: str) -> Optional[int]:
+    """The first integer in ``text`` or None."""
+    m = _INT_RE.search(text or '')
+    return int(m.group()) if m else None
+
+
+def _covered(g: int, lo: int, hi: int, r: int) -> int:
+    if r <= 0 or not lo <= g <= hi:
+        return 0
+    cap = 2 ** (r - 1) - 1
+    return 1 + min(g - lo, cap) + min(hi - g, cap)
+
+
+@gin.configurable(module='nlac_jax.envs')
+class GuessNumberTaskSource(TaskSource):
+    """Hidden numbers 1..N split deterministically: every ``test_every``-th number is a test task."""
+
+    splits = ('train', 'test', 'all')
+
+    def __init__(self, n: int = 100, test_every: int = 5):
+        super().__init__()
+        if n < 1:
+            raise ValueError(f"GuessNumberTaskSource: n must be >= 1, got {n}")
+        self.n, self.test_every = int(n), int(test_every)
+
+    def _load(self, split):
+        out = []
+        for x in range(1, self.n + 1):
+            s = 'test' if x % self.test_every == 0 else 'train'
+            if split in (s, 'all'):
+                out.append(Task(id=f'guess-{self.n}-{x}', split=s, payload={'target': x, 'n': self.n}))
+        return out
+
+
+@gin.configurable(module='nlac_jax.envs')
+class GuessNumberEnv(EnvBase):
+    """Hidden-number game. ``max_turns`` defaults to binary_search_turns(n) (the game is then tight)."""
+
+    def __init__(self, n: int = 100, max_turns: Optional[int] = None,
+                 max_action_chars: int = DEFAULT_MAX_ACTION_CHARS):
+        self.n = int(n)
+        self.max_turns = int(max_turns) if max_turns is not None else binary_search_turns(self.n)
+        self.max_action_chars = max_action_chars
+        self._task: Optional[Task] = None
+
+    def reset(self, task: Task) -> list:
+        """Start a game on ``task.payload['target']`` (and its ``n`` when given)."""
+        target = int(task.payload['target'])
+        self.n = int(task.payload.get('n', self.n))
+        if not 1 <= target <= self.n:
+            raise ValueError(f"task {task.id}: target {target} outside [1, {self.n}]")
+        self._task, self.target = task, target
+        self.lo, self.hi, self.turn, self.done = 1, self.n, 0, False
+        return [{'role': 'system', 'content': SYSTEM_PROMPT.format(n=self.n, turns=self.max_turns)},
+                {'role': 'user', 'content': FIRST_USER.format(n=self.n)}]
+
+    def step(self, action_text: str) -> StepResult:
+        """One guess. Reward 1 iff correct; done when correct or out of turns."""
+        if self._task is None:
+            raise RuntimeError("GuessNumberEnv.step called before reset")
+        if self.done:
+            return StepResult('The game is over.', 0.0, True, {'error': True, 'success': False})
+        self.turn += 1
+        left = self.max_turns - self.turn
+        info = {'turn': self.turn, 'error': False, 'success': False}
+        err = self.validate_action(action_text)
+        g = None if err else parse_guess(action_text)
+        if err is None and g is None:
+            err = "Error: I could not find a number in your reply. Reply with a single whole number."
+        if err is not None:
+            info['error'] = True
+            obs = err
+        elif g == self.target:
+            self.done = True
+            info['success'] = True
+            return StepResult(f"Correct! The number was {self.target}.", 1.0, True, info)
+        else:
+            info['guess'] = g
+            if g < self.target:
+                self.lo = max(self.lo, g + 1)
+                obs = 'higher'
+            else:
+                self.hi = min(self.hi, g - 1)
+                obs = 'lower'
+        if left <= 0:
+            self.done = True
+            return StepResult(f"{obs}. You are out of guesses; the number was {self.target}.", 0.0, True, info)
+        return StepResult(obs, 0.0, False, info)
+
+    # --- optimality diagnostics -------------------------------------------------------------------------------
+    def _replay(self, history: Sequence[dict]):
+        """(lo, hi, turns_left, over) after the assistant turns in ``history`` (for this env's current task)."""
+        lo, hi, used = 1, self.n, 0
+        for m in history:
+            if m.get('role') != 'assistant':
+                continue
+            used += 1
+            text = m.get('content', '')
+            g = parse_guess(text) if self.validate_action(text) is None else None
+            if g is None:
+                continue
+            if g == self.target:
+                return lo, hi, self.max_turns - used, True
+            if g < self.target:
+                lo = max(lo, g + 1)
+            else:
+                hi = min(hi, g - 1)
+        return lo, hi, self.max_turns - used, used >= self.max_turns
+
+    def optimal_actions(self, history: Sequence[dict]) -> Optional[set]:
+        """Set of optimal guesses (ints) in the state ``history``; see the module docstring for the rule."""
+        if self._task is None:
+            return None
+        lo, hi, r, over = self._replay(history)
+        if over:
+            return set()
+        best = min(hi - lo + 1, 2 ** r - 1)
+        return {g for g in range(lo, hi + 1) if _covered(g, lo, hi, r) == best}
+
+    def is_action_optimal(self, state: Sequence[dict], action: str) -> Optional[bool]:
+        """True iff ``action``'s first integer is in ``optimal_actions(state)`` (module docstring rule)."""
+        if self._task is None:
+            return None
+        lo, hi, r, over = self._replay(state)
+        if over or self.validate_action(action) is not None:
+            return False
+        g = parse_guess(action)
+        if g is None:
+            return False
+        return _covered(g, lo, hi, r) == min(hi - lo + 1, 2 ** r - 1) and _covered(g, lo, hi, r) > 0
+
+
+def binary_search_policy(history: Sequence[dict], n: int) -> str:
+    """Scripted optimal policy: guess the midpoint of the interval implied by the feedback in ``history``."""
+    lo, hi, last = 1, n, None
+    for m in history:
+        if m['role'] == 'assistant':
+            last = parse_guess(m['content'])
+        elif m['role'] == 'user' and last is not None:
+            c = m['content'].lower()
+            if c.startswith('higher'):
+                lo = last + 1
+            elif c.startswith('lower'):
+                hi = last - 1
+    return str((lo + hi) // 2)

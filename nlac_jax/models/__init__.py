@@ -1,0 +1,155 @@
+"""Public model API.
+
+    from nlac_jax import models
+    m = models.load_pretrained("path/to/hf_dir", dtype="float32")   # Qwen2 or Llama-family HF directory
+    logits = m.logits(input_ids, attention_mask)                      # [batch, seq, vocab]
+    m.save_pretrained("out_dir")                                      # loadable by transformers
+    m = models.random_model(models.ModelConfig(...), seed=0)          # random init (tests, demo)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nlac_jax import sharding
+from nlac_jax.models import hf_io
+from nlac_jax.models.config import ConfigError, ModelConfig
+from nlac_jax.models.decoder import CACHE_LOGICAL_AXES, CausalLM, init_cache
+from nlac_jax.models.hf_io import CheckpointError
+
+__all__ = ["ModelConfig", "ConfigError", "CheckpointError", "CausalLM", "Model", "load_pretrained", "random_model",
+           "init_params", "param_logical_axes", "param_shardings", "stack_layers", "unstack_layers", "init_cache",
+           "CACHE_LOGICAL_AXES", "positions_from_mask", "forward"]
+
+
+def positions_from_mask(attention_mask) -> jax.Array:
+    """Positions 0.. over real tokens (left or right padding): [B, T] int32; padding gets 0."""
+    m = jnp.asarray(attention_mask, jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0) * m
+
+
+def _dummy_inputs(batch=1, length=1):
+    z = jnp.zeros((batch, length), jnp.int32)
+    return z, z, jnp.ones_like(z)
+
+
+def _abstract_boxed(cfg: ModelConfig):
+    return jax.eval_shape(lambda: CausalLM(cfg).init(jax.random.key(0), *_dummy_inputs())["params"])
+
+
+def param_logical_axes(cfg: ModelConfig):
+    """Tree (like the params) of logical-axis-name tuples."""
+    return jax.tree.map(lambda x: tuple(x.names), _abstract_boxed(cfg),
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def param_shardings(cfg: ModelConfig, mesh, rules=None):
+    """Tree of NamedSharding for the params of `cfg` on `mesh`, from the one rules table."""
+    return nn.unbox(sharding.param_shardings(_abstract_boxed(cfg), mesh, rules))
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> dict:
+    """Random parameters (HF-style N(0, 0.02) init), born sharded when `mesh` is given (jit with out_shardings)."""
+    def init(key):
+        return nn.unbox(CausalLM(cfg).init(key, *_dummy_inputs())["params"])
+    if mesh is None:
+        return jax.jit(init)(jax.random.key(seed))
+    return jax.jit(init, out_shardings=param_shardings(cfg, mesh, rules))(jax.random.key(seed))
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """{'layers_0': t0, ...} -> {'layers': stacked} (unscanned -> scanned layout)."""
+    if "layers" in params:
+        return params
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *[params[f"layers_{i}"] for i in range(num_layers)])
+    return out
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """{'layers': stacked} -> {'layers_0': t0, ...} (scanned -> unscanned layout)."""
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(cfg: ModelConfig, params, tokens, attention_mask, positions=None):
+    """Jitted full-sequence logits [B, T, V] float32; positions default to the attention mask's count."""
+    if positions is None:
+        positions = positions_from_mask(attention_mask)
+    logits, _ = CausalLM(cfg).apply({"params": params}, tokens, positions, attention_mask)
+    return logits
+
+
+@dataclasses.dataclass
+class Model:
+    """A config, its parameter tree, and (optionally) the tokenizer that came with the checkpoint."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None
+
+    @property
+    def module(self) -> CausalLM:
+        return CausalLM(self.config)
+
+    def logits(self, input_ids, attention_mask=None, positions=None) -> jax.Array:
+        """input_ids [B, T] (left or right padded), attention_mask [B, T] (default all ones) -> [B, T, V] float32."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        return forward(self.config, self.params, input_ids, jnp.asarray(attention_mask, jnp.int32), positions)
+
+    def save_pretrained(self, out_dir: str, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
+                        save_tokenizer: bool = True) -> list[str]:
+        """Write an HF directory (config.json + safetensors [+ tokenizer]) that transformers loads."""
+        files = hf_io.save_params(out_dir, self.config, self.params, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        if save_tokenizer and self.tokenizer is not None and jax.process_index() == 0:
+            self.tokenizer.save_pretrained(out_dir)
+        return files
+
+    def with_config(self, **kw) -> "Model":
+        """Same weights, different run settings (dtype, scan_layers, remat); re-lays out layers when needed."""
+        cfg = self.config.replace(**kw)
+        params = self.params
+        if cfg.scan_layers != self.config.scan_layers:
+            params = (stack_layers if cfg.scan_layers else unstack_layers)(params, cfg.num_layers)
+        if cfg.param_dtype != self.config.param_dtype:
+            params = jax.tree.map(lambda a: a.astype(cfg.param_dtype), params)
+        return Model(cfg, params, self.tokenizer)
+
+
+def load_pretrained(model_dir: str, dtype: str = "float32", param_dtype: str | None = None, mesh=None,
+                    load_tokenizer: bool = True, **config_overrides) -> Model:
+    """Load a local HF directory (config.json + safetensors) into a Model.
+
+    dtype: compute dtype; param_dtype: storage dtype (default: same as dtype... float32 master weights for
+    training: pass param_dtype="float32"). With `mesh`, each tensor is placed straight into its sharding.
+    """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: model directory does not exist")
+    cfg = ModelConfig.from_hf_file(model_dir, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
+    shardings = param_shardings(cfg, mesh) if mesh is not None else None
+    params = hf_io.load_params(model_dir, cfg, shardings)
+    tok = None
+    if load_tokenizer and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        from nlac_jax import text
+        tok = text.load_tokenizer(model_dir)
+    return Model(cfg, params, tok)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, mesh=None, tokenizer=None) -> Model:
+    """A randomly initialised model (tests, the CPU demo)."""
+    return Model(cfg, init_params(cfg, seed, mesh), tokenizer)

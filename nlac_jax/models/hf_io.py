@@ -1,0 +1,334 @@
+"""Hugging Face checkpoint import/export: safetensors only (never pickle), no torch.
+
+The mapping between HF tensor names and our parameter paths is one declarative table (`_KEY_MAP`): each row is
+(our path, HF name, transform) where transform "T" means our array = HF weight transposed and reshaped (HF
+Linear weights are [out, in]), and "R" means reshaped only. Loading places each tensor straight into its target
+sharding with `jax.make_array_from_callback`, reading only the rows (layers) a device needs, so a 7B/32B model
+is never materialised whole on one host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from nlac_jax.models.config import ModelConfig
+
+# safetensors dtype names <-> numpy dtypes (bfloat16 via ml_dtypes, which jax already depends on)
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+# our path (per layer: relative to the layer) -> (HF name, transform)
+_LAYER_MAP = (
+    (("input_norm", "scale"), "input_layernorm.weight", "R"),
+    (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", "T"),
+    (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", "R"),
+    (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", "T"),
+    (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", "R"),
+    (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", "T"),
+    (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", "R"),
+    (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", "T"),
+    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", "R"),
+    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", "T"),
+    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", "T"),
+    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", "T"),
+)
+_TOP_MAP = (
+    (("embed", "embedding"), "model.embed_tokens.weight", "R"),
+    (("final_norm", "scale"), "model.norm.weight", "R"),
+    (("lm_head",), "lm_head.weight", "T"),
+)
+
+
+class CheckpointError(ValueError):
+    """Missing/unexpected/mis-shaped tensors or unreadable files; the message names the tensor or file."""
+
+
+# ----------------------------------------------------------------------------- layout
+def _our_shapes(cfg: ModelConfig) -> dict[tuple, tuple]:
+    E, H, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                        cfg.vocab_size)
+    layer = {
+        ("input_norm", "scale"): (E,), ("post_attn_norm", "scale"): (E,),
+        ("attn", "q_proj", "kernel"): (E, H, D), ("attn", "k_proj", "kernel"): (E, K, D),
+        ("attn", "v_proj", "kernel"): (E, K, D), ("attn", "o_proj", "kernel"): (H, D, E),
+        ("mlp", "gate_proj", "kernel"): (E, F), ("mlp", "up_proj", "kernel"): (E, F),
+        ("mlp", "down_proj", "kernel"): (F, E),
+    }
+    if cfg.attention_bias:
+        layer.update({("attn", "q_proj", "bias"): (H, D), ("attn", "k_proj", "bias"): (K, D),
+                      ("attn", "v_proj", "bias"): (K, D)})
+    top = {("embed", "embedding"): (V, E), ("final_norm", "scale"): (E,)}
+    if not cfg.tie_word_embeddings:
+        top[("lm_head",)] = (E, V)
+    return {"layer": layer, "top": top}
+
+
+def _hf_shape(our_shape: tuple, transform: str, path: tuple) -> tuple:
+    """HF tensor shape for our array shape. "T" rows: o_proj folds (H, D) on the input side, q/k/v on the output."""
+    if transform == "R":
+        return (math.prod(our_shape),) if path[-1] == "bias" else tuple(our_shape)  # biases: [H, D] <- [H*D]
+    if path[-2:] == ("o_proj", "kernel"):  # ours [H, D, E] <- HF [E, H*D]
+        return (our_shape[-1], math.prod(our_shape[:-1]))
+    return (math.prod(our_shape[1:]), our_shape[0])  # ours [E, ...out] <- HF [out, E]
+
+
+def _hf_to_ours(w: np.ndarray, our_shape: tuple, transform: str) -> np.ndarray:
+    return (w.T if transform == "T" else w).reshape(our_shape)
+
+
+def _ours_to_hf(a: np.ndarray, hf_shape: tuple, transform: str) -> np.ndarray:
+    return a.reshape(hf_shape[::-1]).T if transform == "T" else a.reshape(hf_shape)
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple, str, int | None]]:
+    """HF name -> (HF shape, our path relative to its layer, transform, layer index or None)."""
+    shapes = _our_shapes(cfg)
+    out = {}
+    for path, name, tr in _TOP_MAP:
+        if path in shapes["top"]:
+            out[name] = (_hf_shape(shapes["top"][path], tr, path), path, tr, None)
+    for i in range(cfg.num_layers):
+        for path, name, tr in _LAYER_MAP:
+            if path in shapes["layer"]:
+                out[f"model.layers.{i}.{name}"] = (_hf_shape(shapes["layer"][path], tr, path), path, tr, i)
+    return out
+
+
+# ----------------------------------------------------------------------------- safetensors (no torch, mmap)
+class SafetensorsFile:
+    """Memory-mapped reader of one .safetensors file: header parsed once, tensors read lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.header = header
+        self._base = 8 + n
+        self._mm = None
+
+    def keys(self):
+        return self.header.keys()
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        start, end = info["data_offsets"]
+        raw = self._mm[self._base + start:self._base + end]
+        return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    """Write tensors (numpy, incl. ml_dtypes.bfloat16) as one safetensors file, 8-byte aligned like the reference."""
+    header, offset, arrays = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _NP_TO_ST:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {a.dtype}")
+        header[name] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
+
+
+class HFCheckpoint:
+    """All tensors of a local HF directory: `model.safetensors`, or shards listed in `model.safetensors.index.json`."""
+
+    def __init__(self, model_dir: str):
+        single = os.path.join(model_dir, "model.safetensors")
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        self.files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, str] = {}
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable shard index ({e!r})") from None
+            for name, fname in weight_map.items():
+                path = os.path.join(model_dir, fname)
+                if fname not in self.files:
+                    if not os.path.isfile(path):
+                        raise CheckpointError(f"{path}: shard listed in {index} (for tensor {name!r}) is missing")
+                    self.files[fname] = SafetensorsFile(path)
+                if name not in self.files[fname].header:
+                    raise CheckpointError(f"{path}: tensor {name!r} listed in {index} is not in this shard")
+                self.where[name] = fname
+        elif os.path.isfile(single):
+            self.files["model.safetensors"] = SafetensorsFile(single)
+            self.where = {k: "model.safetensors" for k in self.files["model.safetensors"].keys()}
+        else:
+            if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(model_dir)):
+                raise CheckpointError(f"{model_dir}: only pickle weights (.bin/.pt) found; we load safetensors only "
+                                      "(convert with transformers' save_pretrained(safe_serialization=True))")
+            raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+    def shape(self, name):
+        return self.files[self.where[name]].shape(name)
+
+    def get(self, name):
+        return self.files[self.where[name]].get(name)
+
+
+# ----------------------------------------------------------------------------- load
+def _set(tree: dict, path: tuple, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def load_params(model_dir: str, cfg: ModelConfig, shardings=None, strict: bool = True) -> dict:
+    """Read HF safetensors from `model_dir` into our parameter tree (layout per cfg.scan_layers).
+
+    shardings: optional tree (same structure as the params) of jax.sharding.Sharding; each leaf is created
+      directly in its sharding, each device reading only its slice. None: default device placement.
+    Errors (CheckpointError) name the tensor: missing, unexpected (if strict), or shape mismatch with both shapes.
+    Tied models ignore a stored `lm_head.weight` (transformers writes none for them).
+    """
+    ckpt = HFCheckpoint(model_dir)
+    expected = expected_tensors(cfg)
+    missing = [n for n in expected if n not in ckpt.where]
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [n for n in ckpt.where if n not in expected and n not in ignorable
+                  and not n.endswith("rotary_emb.inv_freq")]
+    if unexpected and strict:
+        raise CheckpointError(f"{model_dir}: unexpected tensor {unexpected[0]!r} (not in a "
+                              f"{cfg.model_type} model with this config)"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for name, (hf_shape, _, _, _) in expected.items():
+        got = ckpt.shape(name)
+        if tuple(got) != tuple(hf_shape):
+            raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {tuple(got)}, the config expects "
+                                  f"{tuple(hf_shape)}")
+
+    pdt = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    shapes = _our_shapes(cfg)
+    params: dict = {}
+
+    def place(path: tuple, global_shape: tuple, read: Callable[[tuple], np.ndarray]):
+        sh = _get(shardings, path) if shardings is not None else None
+        if sh is None:
+            _set(params, path, jax.numpy.asarray(read(tuple(slice(None) for _ in global_shape))))
+            return
+        _set(params, path, jax.make_array_from_callback(global_shape, sh, read))
+
+    for path, name, tr in _TOP_MAP:
+        if path not in shapes["top"]:
+            continue
+        our_shape = shapes["top"][path]
+        place(path, our_shape, lambda idx, n=name, s=our_shape, t=tr: _hf_to_ours(ckpt.get(n), s, t)[idx].astype(pdt))
+
+    for path, name, tr in _LAYER_MAP:
+        if path not in shapes["layer"]:
+            continue
+        our_shape = shapes["layer"][path]
+
+        def read_layers(idx, n=name, s=our_shape, t=tr):
+            layers = range(cfg.num_layers)[idx[0]]  # only the layers this device holds
+            rows = [_hf_to_ours(ckpt.get(f"model.layers.{i}.{n}"), s, t)[idx[1:]] for i in layers]
+            return np.stack(rows).astype(pdt)
+
+        if cfg.scan_layers:
+            place(("layers",) + path, (cfg.num_layers,) + our_shape, read_layers)
+        else:
+            for i in range(cfg.num_layers):
+                place((f"layers_{i}",) + path, our_shape,
+                      lambda idx, n=name, s=our_shape, t=tr, i=i:
+                      _hf_to_ours(ckpt.get(f"model.layers.{i}.{n}"), s, t)[idx].astype(pdt))
+    return params
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+# ----------------------------------------------------------------------------- save
+def _to_host(a) -> np.ndarray:
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return np.asarray(jax.device_get(a))
+
+
+def save_params(out_dir: str, cfg: ModelConfig, params: dict, max_shard_bytes: int = 2 * 1024 ** 3,
+                dtype: str | None = None) -> list[str]:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`). Returns the files written.
+
+    Only process 0 writes (every process must call: gathering sharded arrays is collective).
+    dtype: on-disk dtype (default cfg.param_dtype).
+    """
+    out_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+    tensors: dict[str, np.ndarray] = {}
+    for name, (hf_shape, path, tr, layer) in expected_tensors(cfg).items():
+        if layer is None:
+            a = _get(params, path)
+        elif cfg_layers_scanned(params):
+            a = _get(params, ("layers",) + path)[layer]
+        else:
+            a = _get(params, (f"layers_{layer}",) + path)
+        tensors[name] = _ours_to_hf(_to_host(a), hf_shape, tr).astype(out_dtype)
+    if jax.process_index() != 0:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    hf_cfg = cfg.replace(param_dtype=str(jax.numpy.dtype(out_dtype))).to_hf_dict()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    total = sum(a.nbytes for a in tensors.values())
+    if total <= max_shard_bytes:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+        return ["config.json", "model.safetensors"]
+    shards, cur, size = [], {}, 0
+    for name in expected_tensors(cfg):  # keep layers together, in model order
+        if cur and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = tensors[name]
+        size += tensors[name].nbytes
+    shards.append(cur)
+    weight_map, files = {}, ["config.json"]
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fname), shard)
+        weight_map.update({n: fname for n in shard})
+        files.append(fname)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files + ["model.safetensors.index.json"]
+
+
+def cfg_layers_scanned(params: dict) -> bool:
+    return "layers" in params

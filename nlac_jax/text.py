@@ -1,0 +1,328 @@
+"""Tokenizers, chat templates and (prompt, target) packing with loss masks.
+
+The one place where text becomes token batches. `pack_examples` implements the token-batch contract of
+docs/ARCHITECTURE.md (right padded, one example per row, loss on target tokens only); `left_pad` prepares sampler
+prompts (left padded so every row's last prompt token sits in the same column).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+KIND_CRITIC = 0  # successor prompt -> target summary d*
+KIND_POLICY = 1  # policy prompt -> refined action a^r
+
+# Turn-end / end-of-text markers of the model families we support (Qwen ChatML, Llama 3).
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+# --------------------------------------------------------------------------------------------- tokenizer / chat
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """Load the tokenizer stored in a local model directory (HF layout), never touching the network.
+
+    Returns a `transformers.PreTrainedTokenizerFast` (transformers 5: `TokenizersBackend`).
+    Raises FileNotFoundError naming `model_dir` if it holds no tokenizer files.
+    """
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
+    present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
+    # tokenizer_config.json alone cannot build a tokenizer: require a vocabulary file too.
+    if not any(f != "tokenizer_config.json" for f in present):
+        raise FileNotFoundError(
+            f"no tokenizer files in {model_dir!r} (expected tokenizer.json, or vocab.json + merges.txt, "
+            f"or tokenizer.model)"
+        )
+    from transformers import AutoTokenizer  # local import: keep `import nlac_jax.text` light
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except OSError as e:
+        raise OSError(f"could not load the tokenizer from {model_dir!r}: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"could not load the tokenizer from {model_dir!r}: {e}") from e
+
+
+def _require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(
+            f"tokenizer {name!r} has no chat template (tokenizer.chat_template is empty); "
+            f"use an instruct/chat model directory or set tokenizer.chat_template"
+        )
+
+
+def render_chat(tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """Render `messages` ([{'role': ..., 'content': ...}, ...]) with the tokenizer's own chat template.
+
+    With `add_generation_prompt=True` the string ends with the assistant header (ChatML: `<|im_start|>assistant\\n`),
+    ready for the model to write the next turn.
+    """
+    _require_chat_template(tokenizer)
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    if not isinstance(text, str):  # defensive: some versions return a list for batched input
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+    return text
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` with no BOS/EOS added (special-token strings inside `text` map to their ids)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_chat(tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the rendered chat ([len] ints).
+
+    Rendered to a string first, then encoded with `add_special_tokens=False`: the template already writes every
+    special token, and this sidesteps transformers 5's dict return from `apply_chat_template(tokenize=True)`.
+    """
+    return encode_text(tokenizer, render_chat(tokenizer, messages, add_generation_prompt))
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    """Id of `token` if it is a single token of this vocabulary (regular or added), else None."""
+    tid = tokenizer.get_vocab().get(token)
+    return None if tid is None else int(tid)
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Ids that end a generation: eos first, then `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>` where present (dedup)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for tok in _STOP_TOKENS:
+        if tok in vocab and int(vocab[tok]) not in ids:
+            ids.append(int(vocab[tok]))
+    return tuple(ids)
+
+
+def turn_end_token_id(tokenizer) -> int:
+    """The token that closes an assistant turn: `<|im_end|>` (ChatML) or `<|eot_id|>` (Llama 3) if present, else eos."""
+    for tok in ("<|im_end|>", "<|eot_id|>"):
+        tid = _token_id(tokenizer, tok)
+        if tid is not None:
+            return tid
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has neither <|im_end|>/<|eot_id|> nor an eos token to end a turn")
+    return int(tokenizer.eos_token_id)
+
+
+# --------------------------------------------------------------------------------------------- examples
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One training example: the loss is on `target_ids` given `prompt_ids`.
+
+    kind: KIND_CRITIC (0) = successor prompt -> d*, KIND_POLICY (1) = policy prompt -> refined action.
+    weight: per-example loss weight.
+    """
+
+    prompt_ids: list[int]
+    target_ids: list[int]
+    kind: int = KIND_CRITIC
+    weight: float = 1.0
+
+    def __post_init__(self):
+        # Normalise (numpy arrays, tuples, numpy ints) to plain Python so packing and equality are predictable.
+        object.__setattr__(self, "prompt_ids", [int(t) for t in self.prompt_ids])
+        object.__setattr__(self, "target_ids", [int(t) for t in self.target_ids])
+        object.__setattr__(self, "kind", int(self.kind))
+        object.__setattr__(self, "weight", float(self.weight))
+
+
+def chat_example(
+    tokenizer,
+    prompt_messages: Sequence[dict[str, Any]],
+    target_text: str,
+    kind: int = KIND_CRITIC,
+    weight: float = 1.0,
+    add_eos: bool = True,
+) -> Example:
+    """Build an Example: prompt = chat rendered with the generation prompt; target = `target_text` tokens.
+
+    With `add_eos` (default) the target ends with the turn-end token (`turn_end_token_id`: `<|im_end|>` for Qwen),
+    so the model learns to stop where the sampler's stop ids will stop it.
+    """
+    prompt = encode_chat(tokenizer, prompt_messages, add_generation_prompt=True)
+    target = encode_text(tokenizer, target_text)
+    if add_eos:
+        target.append(turn_end_token_id(tokenizer))
+    return Example(prompt_ids=prompt, target_ids=target, kind=kind, weight=weight)
+
+
+# --------------------------------------------------------------------------------------------- packing
+
+
+def bucket_length(n: int, minimum: int = 16, maximum: int | None = None) -> int:
+    """Smallest power of two >= n, at least `minimum`, capped at `maximum` (so jitted steps see few shapes).
+
+    Raises ValueError if `n > maximum`.
+    """
+    if minimum < 1:
+        raise ValueError(f"minimum must be >= 1, got {minimum}")
+    if maximum is not None and n > maximum:
+        raise ValueError(f"length {n} exceeds the maximum {maximum}")
+    b = max(minimum, 1 << max(0, n - 1).bit_length())
+    return b if maximum is None else min(b, maximum)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: elementwise array comparison has no single truth value
+class PackedBatch:
+    """A right-padded token batch (docs/ARCHITECTURE.md, "Token batches"); B rows, T columns.
+
+    input_ids      [B, T] int32
+    attention_mask [B, T] int32    1 = real token
+    positions      [B, T] int32    0.. over real tokens; 0 on padding
+    loss_mask      [B, T] float32  1 where input_ids[b, t] is a target token (predicted from position t-1)
+    kind           [B]    int32
+    weight         [B]    float32  0 on dummy rows
+    num_examples:   rows holding real examples (the first num_examples rows; the rest are dummy rows)
+    num_truncated:  examples whose prompt was left-truncated to fit max_len
+    tokens_dropped: prompt tokens removed by that truncation, in total
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    positions: np.ndarray
+    loss_mask: np.ndarray
+    kind: np.ndarray
+    weight: np.ndarray
+    num_examples: int = 0
+    num_truncated: int = 0
+    tokens_dropped: int = 0
+
+    ARRAY_FIELDS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, T)."""
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Total number of loss tokens (unweighted)."""
+        return int(self.loss_mask.sum())
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        """The six arrays as a dict (what the jitted train step takes)."""
+        return {k: getattr(self, k) for k in self.ARRAY_FIELDS}
+
+
+def pack_examples(
+    examples: Iterable[Example],
+    max_len: int,
+    pad_to: int | None = None,
+    pad_id: int = 0,
+    batch_size: int | None = None,
+) -> PackedBatch:
+    """Pack examples into one right-padded batch, one example per row: row = prompt + target + padding.
+
+    Length policy: if len(prompt) + len(target) > max_len the PROMPT is truncated from the left (the most recent
+    context is kept), counted in `num_truncated` / `tokens_dropped`. Target tokens are never dropped: a target longer
+    than max_len - 1 (one prompt token must remain to predict the first target token) raises ValueError, as does an
+    empty prompt or target.
+
+    T: `pad_to` if given (ValueError if a row is longer), else `bucket_length(longest row, 16, max_len)`.
+    B: len(examples), or `batch_size` with dummy rows appended (input_ids pad_id, masks 0, weight 0);
+    ValueError if there are more examples than batch_size.
+
+    Returns a PackedBatch of NumPy arrays (shapes in its docstring).
+    """
+    examples = list(examples)
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (one prompt + one target token), got {max_len}")
+    if batch_size is not None and len(examples) > batch_size:
+        raise ValueError(f"{len(examples)} examples do not fit batch_size={batch_size}")
+    if not examples and batch_size is None:
+        raise ValueError("pack_examples needs at least one example (or a batch_size for an all-padding batch)")
+
+    rows: list[tuple[list[int], list[int]]] = []
+    num_truncated = tokens_dropped = 0
+    for i, ex in enumerate(examples):
+        p, t = ex.prompt_ids, ex.target_ids
+        if not t:
+            raise ValueError(f"example {i}: empty target (prompt has {len(p)} tokens)")
+        if not p:
+            raise ValueError(f"example {i}: empty prompt (target has {len(t)} tokens); need >= 1 prompt token")
+        if len(t) > max_len - 1:
+            raise ValueError(
+                f"example {i}: target has {len(t)} tokens but max_len={max_len} fits at most {max_len - 1} "
+                f"(prompt has {len(p)} tokens); target tokens are never dropped"
+            )
+        excess = len(p) + len(t) - max_len
+        if excess > 0:
+            p = p[excess:]  # keep the end of the prompt: it holds the latest turns and the assistant header
+            num_truncated += 1
+            tokens_dropped += excess
+        rows.append((p, t))
+
+    longest = max((len(p) + len(t) for p, t in rows), default=0)
+    if pad_to is not None:
+        if pad_to < longest:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest packed row ({longest} tokens)")
+        T = int(pad_to)
+    else:
+        T = bucket_length(longest, minimum=16, maximum=max_len)
+    B = len(rows) if batch_size is None else int(batch_size)
+
+    input_ids = np.full((B, T), pad_id, dtype=np.int32)
+    attention_mask = np.zeros((B, T), dtype=np.int32)
+    positions = np.zeros((B, T), dtype=np.int32)
+    loss_mask = np.zeros((B, T), dtype=np.float32)
+    kind = np.zeros((B,), dtype=np.int32)
+    weight = np.zeros((B,), dtype=np.float32)
+    for b, ((p, t), ex) in enumerate(zip(rows, examples)):
+        n = len(p) + len(t)
+        input_ids[b, : len(p)] = p
+        input_ids[b, len(p) : n] = t
+        attention_mask[b, :n] = 1
+        positions[b, :n] = np.arange(n, dtype=np.int32)
+        loss_mask[b, len(p) : n] = 1.0
+        kind[b] = ex.kind
+        weight[b] = ex.weight
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        positions=positions,
+        loss_mask=loss_mask,
+        kind=kind,
+        weight=weight,
+        num_examples=len(rows),
+        num_truncated=num_truncated,
+        tokens_dropped=tokens_dropped,
+    )
+
+
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token sequences for the sampler: every row's last token lands in column T-1.
+
+    Returns (ids [B, T] int32, mask [B, T] int32, 1 = real token), T = `length` or the longest sequence.
+    Raises ValueError if a sequence is longer than `length` (prompts are never cut silently).
+    """
+    if not sequences:
+        raise ValueError("left_pad needs at least one sequence")
+    longest = max(len(s) for s in sequences)
+    if length is None:
+        length = longest
+    elif longest > length:
+        i = max(range(len(sequences)), key=lambda j: len(sequences[j]))
+        raise ValueError(f"sequence {i} has {longest} tokens, longer than length={length}")
+    ids = np.full((len(sequences), length), pad_id, dtype=np.int32)
+    mask = np.zeros((len(sequences), length), dtype=np.int32)
+    for b, s in enumerate(sequences):
+        if len(s):
+            ids[b, length - len(s) :] = np.asarray(s, dtype=np.int32)
+            mask[b, length - len(s) :] = 1
+    return ids, mask
