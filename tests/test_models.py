@@ -1,0 +1,300 @@
+"""Decoder parity with transformers' PyTorch models, HF round trip, scan/remat equivalence, bad input."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from nlac_jax import models, sharding
+from nlac_jax.models import hf_io
+
+TOL = 1e-4
+
+# (name, family, overrides): tied/untied, kv ratios 1 / 2 / MQA, head_dim != hidden/heads
+CONFIGS = [
+    ("qwen2_gqa2_untied", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    ("qwen2_mha_tied", "qwen2", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    ("qwen2_mqa_hd24", "qwen2", dict(num_attention_heads=6, num_key_value_heads=1, head_dim=24,
+                                     tie_word_embeddings=False)),
+    ("llama_gqa2_tied", "llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    ("llama_mqa_untied_hd12", "llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=12,
+                                            tie_word_embeddings=False)),
+]
+
+
+def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
+    """A random tiny transformers model saved to `out_dir` (safetensors); weights scaled up so biases/norms matter."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=131, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256)
+    kw.update(overrides)
+    cls_cfg, cls_model = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    hm = cls_model(cls_cfg(**kw)).eval()
+    with torch.no_grad():
+        for name, p in hm.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    hm.save_pretrained(out_dir)
+    return hm
+
+
+def hf_logits(hm, ids, mask):
+    with torch.no_grad():
+        return hm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def batch(vocab, lens, total, seed=0, left=True):
+    """Random ids with left (or right) padding: ids [B, total], mask [B, total]."""
+    rng = np.random.RandomState(seed)
+    ids = np.zeros((len(lens), total), np.int64)
+    mask = np.zeros_like(ids)
+    for b, n in enumerate(lens):
+        sl = slice(total - n, total) if left else slice(0, n)
+        ids[b, sl] = rng.randint(1, vocab, n)
+        mask[b, sl] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name,family,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_logits_parity(tmp_path, name, family, overrides):
+    hm = make_hf_model(family, str(tmp_path), **overrides)
+    m = models.load_pretrained(str(tmp_path), dtype="float32")
+    assert m.config.model_type == family and m.config.attention_bias == (family == "qwen2")
+    for lens, total in [([7, 4, 1], 7), ([13], 13), ([9, 5], 11)]:  # odd lengths, left padding, a 1-token row
+        ids, mask = batch(m.config.vocab_size, lens, total)
+        ref = hf_logits(hm, ids, mask)
+        ours = np.asarray(m.logits(ids, mask))
+        diff = np.abs(ref - ours)[mask.astype(bool)].max()
+        assert diff <= TOL, f"{name} lens={lens}: max abs diff {diff}"
+        assert np.isfinite(ours).all()
+
+
+def test_right_padding_and_explicit_positions(tmp_path):
+    hm = make_hf_model("qwen2", str(tmp_path))
+    m = models.load_pretrained(str(tmp_path))
+    ids, mask = batch(m.config.vocab_size, [6, 3], 6, left=False)
+    ref = hf_logits(hm, ids, mask)
+    ours = np.asarray(m.logits(ids, mask))
+    assert np.abs(ref - ours)[mask.astype(bool)].max() <= TOL
+    # explicit positions shifted by a constant change the logits (RoPE is relative: only through padding)...
+    pos = np.asarray(models.positions_from_mask(mask))
+    same = np.asarray(m.logits(ids, mask, positions=jnp.asarray(pos)))
+    np.testing.assert_allclose(same, ours, atol=1e-6)
+    wrong = np.asarray(m.logits(ids, mask, positions=jnp.asarray(pos[:, ::-1].copy())))
+    assert np.abs(wrong - ours)[mask.astype(bool)].max() > 1e-3
+
+
+def test_round_trip_hf_ours_hf(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hm = make_hf_model("qwen2", str(src), tie_word_embeddings=False)
+    m = models.load_pretrained(str(src))
+    files = m.save_pretrained(str(dst))
+    assert "model.safetensors" in files
+    hm2 = transformers.AutoModelForCausalLM.from_pretrained(str(dst)).eval()
+    ids, mask = batch(m.config.vocab_size, [8, 5], 8)
+    np.testing.assert_array_equal(hf_logits(hm, ids, mask), hf_logits(hm2, ids, mask))
+    # and the sharded layout (index + several files) loads both in transformers and in ours
+    files = m.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    hm3 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).eval()
+    np.testing.assert_array_equal(hf_logits(hm, ids, mask), hf_logits(hm3, ids, mask))
+    m3 = models.load_pretrained(str(tmp_path / "sharded"))
+    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(m3.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_on_disk_round_trip(tmp_path):
+    make_hf_model("llama", str(tmp_path / "src"))
+    m = models.load_pretrained(str(tmp_path / "src"))
+    m.save_pretrained(str(tmp_path / "bf16"), dtype="bfloat16")
+    cfg = json.load(open(tmp_path / "bf16" / "config.json"))
+    assert cfg["dtype"] == "bfloat16"
+    m2 = models.load_pretrained(str(tmp_path / "bf16"), dtype="float32")
+    hm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32).eval()
+    ids, mask = batch(m.config.vocab_size, [6, 4], 6)
+    assert np.abs(hf_logits(hm, ids, mask) - np.asarray(m2.logits(ids, mask)))[mask.astype(bool)].max() <= TOL
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_scan_and_remat_same_logits(tmp_path, remat):
+    make_hf_model("qwen2", str(tmp_path), num_hidden_layers=3)
+    base = models.load_pretrained(str(tmp_path), scan_layers=False)
+    ids, mask = batch(base.config.vocab_size, [9, 6], 9)
+    ref = np.asarray(base.logits(ids, mask))
+    for scan in (True, False):
+        m = base.with_config(scan_layers=scan, remat=remat)
+        assert ("layers" in m.params) == scan
+        np.testing.assert_allclose(np.asarray(m.logits(ids, mask)), ref, atol=1e-5, rtol=1e-5)
+        # gradients too (remat only matters for the backward pass)
+        def loss(p):
+            return models.forward(m.config, p, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)).mean()
+        g = jax.grad(loss)(m.params)
+        g = models.unstack_layers(g, m.config.num_layers) if scan else g
+        g_ref = jax.grad(lambda p: models.forward(base.config, p, jnp.asarray(ids, jnp.int32),
+                                                  jnp.asarray(mask, jnp.int32)).mean())(base.params)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+BF16_TOL = 0.1  # stated tolerance: bf16 compute (float32 params, norms, softmax, RoPE) vs float32, max abs logit diff
+
+
+def test_bfloat16_compute_close_to_float32(tmp_path):
+    make_hf_model("qwen2", str(tmp_path))
+    m32 = models.load_pretrained(str(tmp_path), dtype="float32")
+    mbf = m32.with_config(dtype="bfloat16")  # float32 master weights, bf16 compute
+    ids, mask = batch(m32.config.vocab_size, [10, 7], 10)
+    l32, lbf = np.asarray(m32.logits(ids, mask)), np.asarray(mbf.logits(ids, mask))
+    assert lbf.dtype == np.float32
+    sel = mask.astype(bool)
+    diff = np.abs(l32 - lbf)[sel].max()
+    assert diff <= BF16_TOL, diff
+    assert diff > 0  # really computed in bf16
+    assert (l32.argmax(-1) == lbf.argmax(-1))[sel].mean() >= 0.9
+
+
+def test_sharded_load_places_tensors(tmp_path):
+    make_hf_model("qwen2", str(tmp_path), num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                  vocab_size=128)
+    ref = models.load_pretrained(str(tmp_path))
+    mesh = sharding.make_mesh(data=1, fsdp=2, tensor=4)
+    m = models.load_pretrained(str(tmp_path), mesh=mesh)
+    q = m.params["layers"]["attn"]["q_proj"]["kernel"]  # [L, E, H, D]: embed->fsdp, heads->tensor
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (2, 24, 1, 12)
+    emb = m.params["embed"]["embedding"]
+    assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(m.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ids, mask = batch(m.config.vocab_size, [5, 3], 5)
+    with sharding.use_mesh(mesh):
+        out = np.asarray(m.logits(ids, mask))
+    np.testing.assert_allclose(out, np.asarray(ref.logits(ids, mask)), atol=1e-5)
+
+
+def test_random_model_sharded_init_matches_unsharded():
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8)
+    a = models.random_model(cfg, seed=3)
+    b = models.random_model(cfg, seed=3, mesh=sharding.make_mesh(data=2, fsdp=2, tensor=2))
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sum(x.size for x in jax.tree.leaves(a.params)) == cfg.num_params
+
+
+def test_save_random_model_loads_in_transformers(tmp_path):
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=1, head_dim=8, model_type="llama", attention_bias=False,
+                             tie_word_embeddings=True)
+    m = models.random_model(cfg, seed=1)
+    m.save_pretrained(str(tmp_path))
+    hm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids, mask = batch(64, [7, 2], 7)
+    assert np.abs(hf_logits(hm, ids, mask) - np.asarray(m.logits(ids, mask)))[mask.astype(bool)].max() <= TOL
+
+
+# ----------------------------------------------------------------------------- bad input: one-line errors
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_missing_safetensors(tmp_path):
+    make_hf_model("qwen2", str(tmp_path))
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path))
+    assert "model.safetensors" in _one_line(e) and str(tmp_path) in _one_line(e)
+
+
+def test_missing_shard_file(tmp_path):
+    make_hf_model("qwen2", str(tmp_path / "src"))
+    m = models.load_pretrained(str(tmp_path / "src"))
+    m.save_pretrained(str(tmp_path / "sh"), max_shard_bytes=20_000)
+    os.remove(tmp_path / "sh" / "model-00002-of-" f"{len(list((tmp_path / 'sh').glob('model-*'))):05d}.safetensors")
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path / "sh"))
+    assert "model-00002" in _one_line(e)
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path):
+    make_hf_model("qwen2", str(tmp_path))
+    f = hf_io.SafetensorsFile(str(tmp_path / "model.safetensors"))
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
+    hf_io.write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path))
+    msg = _one_line(e)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and "(71, 48)" in msg and "(72, 48)" in msg
+
+
+def test_missing_and_unexpected_tensor(tmp_path):
+    make_hf_model("qwen2", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    f = hf_io.SafetensorsFile(path)
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    extra = dict(tensors, **{"model.layers.0.self_attn.o_proj.bias": np.zeros(48, np.float32)})
+    hf_io.write_safetensors(path, extra)
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path))
+    assert "unexpected tensor 'model.layers.0.self_attn.o_proj.bias'" in _one_line(e)
+    del tensors["model.layers.0.self_attn.k_proj.bias"]
+    hf_io.write_safetensors(path, tensors)
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path))
+    assert "missing tensor 'model.layers.0.self_attn.k_proj.bias'" in _one_line(e)
+
+
+def test_pickle_only_checkpoint_refused(tmp_path):
+    make_hf_model("qwen2", str(tmp_path))
+    os.rename(tmp_path / "model.safetensors", tmp_path / "pytorch_model.bin")
+    with pytest.raises(models.CheckpointError) as e:
+        models.load_pretrained(str(tmp_path))
+    assert "safetensors only" in _one_line(e)
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type='gpt2'"),
+    ({"use_sliding_window": True, "sliding_window": 128}, "sliding-window"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "'yarn'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
+])
+def test_unsupported_config_refused(tmp_path, patch, field):
+    make_hf_model("qwen2", str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    cfg.update(patch)
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    with pytest.raises(models.ConfigError) as e:
+        models.load_pretrained(str(tmp_path))
+    msg = _one_line(e)
+    assert field in msg and "config.json" in msg
+
+
+def test_old_style_rope_theta_on_top_level():
+    d = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=1, rope_theta=1234.0)
+    assert models.ModelConfig.from_hf_dict(d).rope_theta == 1234.0
+    d2 = dict(d, rope_parameters={"rope_type": "default", "rope_theta": 99.0})
+    assert models.ModelConfig.from_hf_dict(d2).rope_theta == 99.0
+
+
+def test_sharding_rules_reject_same_mesh_axis_twice():
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    rules = sharding.LOGICAL_RULES + (("other", ("tensor",)),)
+    with pytest.raises(sharding.ShardingError, match="both map to mesh axis 'tensor'"):
+        sharding.logical_to_spec(("heads", "other"), (4, 4), mesh, rules)
+    with pytest.raises(sharding.ShardingError, match="at most one axis may be -1"):
+        sharding.make_mesh(data=-1, fsdp=-1)
+    assert sharding.make_mesh(data=2, fsdp=-1, tensor=2).shape == {"data": 2, "fsdp": 2, "tensor": 2}
