@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml $(wildcard requirements-envs*.txt)
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml $(wildcard requirements-envs.txt requirements-nodeps.txt)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements-test.txt $(if $(wildcard requirements-envs.txt),-r requirements-envs.txt)
-	$(if $(wildcard requirements-envs-nodeps.txt),$(PIP) install -q --no-deps -r requirements-envs-nodeps.txt)
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m nlac_jax.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -16,7 +16,7 @@ import copy
 import dataclasses
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
-__all__ = ["ParamsName", "RoleSampler", "SamplerCall", "ScriptedRoleSampler", "group", "PARAMS_NAMES"]
+__all__ = ["ParamsName", "PARAMS_NAMES", "RoleSampler", "SamplerCall", "ScriptedRoleSampler", "check_samples", "group"]
 
 ParamsName = Literal["policy", "target"]
 PARAMS_NAMES = ("policy", "target")

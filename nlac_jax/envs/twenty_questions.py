@@ -1,0 +1,397 @@
+"""20 Questions: the agent asks yes/no questions to identify a hidden object (LMRL-Gym-style task).
+
+Rules (following LMRL-Gym's convention): at most ``max_questions`` (20) questions; every question that does not name
+the hidden object costs reward -1, the question that names it earns 0 and ends the episode with success. After the
+last allowed question the episode ends without success (worst return -20). A malformed action (empty / over-long)
+counts as a wasted question (reward -1, ``info['error'] = True``).
+
+Correct-guess detection (``names_object``) is deterministic: lowercase, strip punctuation, drop articles, strip a
+guess prefix ("is it", "is the object", "my guess is", "are you thinking of", ...) and a few trailing fillers ("by any
+chance", "perhaps"), then the REMAINING phrase must equal the object's name or a synonym, allowing a plural on its last
+word. So "Is it a cat?" and "Is it cats?" name cat, while "Is it a cat toy?" and "Is it a cat or a dog?" do not.
+
+Oracles (one interface, ``answer(obj, question) -> str``):
+* ``ScriptedOracle`` answers from the attribute table (``data/twenty_questions_objects.json``) with this grammar
+  (after the same normalisation; "is the object / is this / is your object" read as "is it"; "kind/type/sort of"
+  ignored):
+    - attribute questions: any phrasing listed under the attribute in the JSON, e.g. "Is it alive?", "Can it fly?",
+      "Is it bigger than a breadbox?", "Is it made of metal?", "Can you eat it?" -> "Yes." / "No.";
+    - category questions: "Is it a/an <category phrase>?" (e.g. "Is it a fruit?", "Is it a piece of furniture?",
+      "Is it a musical instrument?") -> "Yes." / "No.";
+    - naming another object of the list: "Is it a <object>?" -> "No." (or "Yes." if it names the hidden one);
+    - anything else -> "I can't answer that."
+* ``ModelOracle(generate_fn)``: asks a model (``generate_fn(list[str]) -> list[str]``) with a yes/no prompt; a reply
+  that does not start with yes/no is answered "No.".
+
+Object lists: the shipped JSON (233 objects, 18 categories, 45 boolean attributes), or a user file: JSON in our schema,
+a JSON list of names / {"name", "synonyms"} dicts, or plain text with one object per line (``name | syn1, syn2``).
+Objects without attributes can still be played with ``ModelOracle`` (the scripted oracle then only recognises
+guesses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from typing import Callable, Optional, Sequence
+
+import gin
+
+from nlac_jax.envs.base import DEFAULT_MAX_ACTION_CHARS, EnvBase, StepResult, Task, TaskSource
+
+DEFAULT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_objects.json')
+MAX_QUESTIONS = 20
+YES, NO, CANT = 'Yes.', 'No.', "I can't answer that."
+
+SYSTEM_PROMPT = (
+    "Let's play 20 Questions. I am thinking of a common object. Ask me yes/no questions, one question per message, "
+    "to figure out what it is; I will answer \"Yes.\", \"No.\" or \"I can't answer that.\". You have at most "
+    "{n} questions. When you think you know the object, guess it by asking \"Is it a <object>?\". "
+    "Find the object in as few questions as possible.")
+FIRST_USER = "I'm thinking of an object. Ask your first yes/no question."
+
+_ARTICLES = {'a', 'an', 'the'}
+_SUBJECT_RE = re.compile(
+    r'^(is|does|can|could|would|will|has|do you) '
+    r'(this object|this thing|this item|object youre thinking of|object you are thinking of|thing youre thinking of|'
+    r'thing you are thinking of|hidden object|secret object|your object|your thing|object|thing|item|this)\b')
+_KIND_RE = re.compile(r'^is it (some )?(kind|type|sort) of ')
+_GUESS_PREFIXES = sorted([
+    'is it', 'is object', 'is your object', 'is hidden object', 'is secret object', 'is thing', 'is this',
+    'is object youre thinking of', 'is object you are thinking of', 'is thing youre thinking of',
+    'is thing you are thinking of', 'are you thinking of', 'were you thinking of', 'is answer', 'answer is',
+    'my guess is', 'my final guess is', 'final guess', 'my answer is', 'i guess', 'i guess its', 'i guess it is',
+    'i think its', 'i think it is', 'it is', 'its', 'could it be', 'might it be', 'would it be', 'is it actually',
+    'guess', 'so is it', 'ok is it', 'okay is it', 'then is it', 'is it perhaps', 'is it maybe',
+], key=len, reverse=True)
+_LEADING_FILLERS = ('ok ', 'okay ', 'so ', 'well ', 'alright ', 'hmm ', 'then ')
+_TRAILING_FILLERS = sorted(['by any chance', 'by chance', 'perhaps', 'maybe', 'then', 'right', 'now'],
+                           key=len, reverse=True)
+
+
+def normalize(text: str) -> str:
+    """Lowercase, hyphens/underscores -> spaces, drop other punctuation (apostrophes vanish: you're -> youre)."""
+    t = (text or '').lower().replace('-', ' ').replace('_', ' ').replace("'", '').replace('\u2019', '')
+    t = re.sub(r'[^a-z0-9 ]+', ' ', t)
+    return re.sub(r'\s+', ' ', t).strip()
+
+
+def _drop_articles(t: str) -> str:
+    return ' '.join(w for w in t.split() if w not in _ARTICLES)
+
+
+def canonical_question(text: str) -> str:
+    """Normal form used by the scripted oracle's grammar (articles dropped, subject read as 'it')."""
+    t = _drop_articles(normalize(text))
+    for f in _LEADING_FILLERS:
+        if t.startswith(f):
+            t = t[len(f):]
+    t = _SUBJECT_RE.sub(lambda m: m.group(1) + ' it', t)
+    t = _KIND_RE.sub('is it ', t)
+    return t
+
+
+def _singular_forms(word: str) -> set:
+    """The word and its plausible singulars (cats->cat, tomatoes->tomato, glasses->glass, berries->berry)."""
+    forms = {word}
+    if len(word) > 3 and word.endswith('s') and not word.endswith('ss'):
+        forms.add(word[:-1])
+        if word.endswith('es'):
+            forms.add(word[:-2])
+        if word.endswith('ies'):
+            forms.add(word[:-3] + 'y')
+    return forms
+
+
+def _phrase_equal(a: str, b: str) -> bool:
+    """Equal word sequences, allowing a plural on the last word of either side."""
+    wa, wb = a.split(), b.split()
+    if not wa or len(wa) != len(wb) or wa[:-1] != wb[:-1]:
+        return False
+    return bool(_singular_forms(wa[-1]) & _singular_forms(wb[-1]))
+
+
+def guessed_phrase(question: str) -> Optional[str]:
+    """The phrase a question names as its guess ("Is it a cat toy?" -> "cat toy"), or None if no guess form."""
+    t = _drop_articles(normalize(question))
+    for f in _LEADING_FILLERS:
+        if t.startswith(f):
+            t = t[len(f):]
+    rest = None
+    for p in _GUESS_PREFIXES:
+        if t == p:
+            return None
+        if t.startswith(p + ' '):
+            rest = t[len(p) + 1:]
+            break
+    if rest is None:
+        rest = t  # a bare name ("Cat?") is also a guess
+    changed = True
+    while changed and rest:
+        changed = False
+        for f in _TRAILING_FILLERS:
+            if rest == f:
+                return None
+            if rest.endswith(' ' + f):
+                rest, changed = rest[:-len(f) - 1], True
+    return rest or None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectSpec:
+    """A hidden object: name, category (may be ''), synonyms, and attributes (None when unknown)."""
+
+    name: str
+    category: str = ''
+    synonyms: tuple = ()
+    attributes: Optional[frozenset] = None  # the TRUE attributes; None = no attribute table for this object
+
+    def names(self) -> list:
+        """Normalised name and synonyms (articles dropped)."""
+        return [_drop_articles(normalize(n)) for n in (self.name,) + tuple(self.synonyms)]
+
+    def to_payload(self) -> dict:
+        """JSON-able dict (used as a Task payload)."""
+        return {'name': self.name, 'category': self.category, 'synonyms': list(self.synonyms),
+                'attributes': None if self.attributes is None else sorted(self.attributes)}
+
+    @classmethod
+    def from_payload(cls, d: dict) -> 'ObjectSpec':
+        """Inverse of ``to_payload``."""
+        attrs = d.get('attributes')
+        return cls(name=d['name'], category=d.get('category', '') or '', synonyms=tuple(d.get('synonyms', ())),
+                   attributes=None if attrs is None else frozenset(attrs))
+
+
+def names_object(question: str, obj: ObjectSpec) -> bool:
+    """True iff ``question`` is a guess whose guessed phrase is the object's name or a synonym (module doc)."""
+    phrase = guessed_phrase(question)
+    return phrase is not None and any(_phrase_equal(phrase, n) for n in obj.names())
+
+
+@dataclasses.dataclass
+class ObjectTable:
+    """Objects plus the question grammar (attribute phrasings, category phrasings)."""
+
+    objects: list
+    attribute_questions: dict = dataclasses.field(default_factory=dict)  # canonical question -> attribute
+    category_phrases: dict = dataclasses.field(default_factory=dict)     # canonical phrase -> category
+    source: str = ''
+
+    def find(self, name: str) -> ObjectSpec:
+        """Object by (normalised) name or synonym; KeyError naming the file when absent."""
+        key = _drop_articles(normalize(name))
+        for o in self.objects:
+            if key in o.names():
+                return o
+        raise KeyError(f"object {name!r} not in {self.source or 'object table'}")
+
+
+def _load_json_table(data, path: str) -> ObjectTable:
+    if isinstance(data, list):
+        data = {'objects': data}
+    if not isinstance(data, dict) or 'objects' not in data:
+        raise ValueError(f"{path}: expected a JSON list of objects or a dict with key 'objects'")
+    attrs = data.get('attributes', {}) or {}
+    cats = data.get('categories', {}) or {}
+    table = ObjectTable(objects=[], source=path)
+    for attr, phrasings in attrs.items():
+        for q in phrasings:
+            cq = canonical_question(q)
+            if table.attribute_questions.get(cq, attr) != attr:
+                raise ValueError(f"{path}: question {q!r} listed for attributes {table.attribute_questions[cq]!r} "
+                                 f"and {attr!r}")
+            table.attribute_questions[cq] = attr
+    for cat, phrases in cats.items():
+        for p in phrases:
+            cp = _drop_articles(normalize(p))
+            if ('is it ' + cp) in table.attribute_questions:
+                raise ValueError(f"{path}: category phrase {p!r} of {cat!r} collides with an attribute question")
+            table.category_phrases[cp] = cat
+    for i, o in enumerate(data['objects']):
+        if isinstance(o, str):
+            o = {'name': o}
+        if not isinstance(o, dict) or not o.get('name'):
+            raise ValueError(f"{path}: objects[{i}] has no 'name'")
+        a = o.get('attributes')
+        if isinstance(a, dict):  # also accept {attr: bool}
+            a = [k for k, v in a.items() if v]
+        if a is not None:
+            unknown = sorted(set(a) - set(attrs))
+            if unknown:
+                raise ValueError(f"{path}: object {o['name']!r} has unknown attributes {unknown}")
+        table.objects.append(ObjectSpec(name=o['name'], category=o.get('category', '') or '',
+                                        synonyms=tuple(o.get('synonyms', ()) or ()),
+                                        attributes=None if a is None else frozenset(a)))
+    return table
+
+
+def load_object_table(path: Optional[str] = None) -> ObjectTable:
+    """Load an object list (JSON or text, see module doc); ``None`` = the shipped table."""
+    path = path or DEFAULT_OBJECTS_PATH
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"20 Questions object list not found: {path}")
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    if path.endswith('.json'):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from None
+        table = _load_json_table(data, path)
+    else:
+        objs = []
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith('#'):
+                continue
+            name, _, syn = line.partition('|')
+            objs.append({'name': name.strip(), 'synonyms': [s.strip() for s in syn.split(',') if s.strip()]})
+        table = _load_json_table({'objects': objs}, path)
+    if not table.objects:
+        raise ValueError(f"{path}: no objects")
+    seen = {}
+    for o in table.objects:
+        for n in o.names():
+            if n in seen and seen[n] != o.name:
+                raise ValueError(f"{path}: name/synonym {n!r} used by both {seen[n]!r} and {o.name!r}")
+            seen[n] = o.name
+    return table
+
+
+class Oracle:
+    """Answers a yes/no question about the hidden object."""
+
+    def answer(self, obj: ObjectSpec, question: str) -> str:
+        raise NotImplementedError
+
+
+class ScriptedOracle(Oracle):
+    """Rule-based oracle over the attribute table; grammar documented in the module docstring."""
+
+    def __init__(self, table: Optional[ObjectTable] = None):
+        self.table = table if table is not None else load_object_table()
+
+    def answer(self, obj: ObjectSpec, question: str) -> str:
+        """'Yes.' / 'No.' / "I can't answer that." per the grammar."""
+        q = canonical_question(question)
+        attr = self.table.attribute_questions.get(q)
+        if attr is not None:
+            if obj.attributes is None:
+                return CANT
+            return YES if attr in obj.attributes else NO
+        if q.startswith('is it '):
+            cat = self.table.category_phrases.get(q[len('is it '):])
+            if cat is not None:
+                if not obj.category:
+                    return CANT
+                return YES if obj.category == cat else NO
+        if names_object(question, obj):
+            return YES
+        for other in self.table.objects:
+            if names_object(question, other):
+                return NO
+        return CANT
+
+
+ORACLE_PROMPT = ("You are the answerer in a game of 20 Questions. The hidden object is: {name}.\n"
+                 "Answer the player's yes/no question about the hidden object truthfully with one word: Yes or No.\n\n"
+                 "Question: {question}\nAnswer:")
+
+
+def parse_yes_no(text: str) -> str:
+    """'Yes.' if the reply starts with yes, else 'No.' (unparsable replies count as No, as the brief specifies)."""
+    m = re.match(r'\W*(yes|no)\b', (text or '').strip().lower())
+    return YES if m and m.group(1) == 'yes' else NO
+
+
+class ModelOracle(Oracle):
+    """Model-backed oracle: ``generate_fn(list[str prompts]) -> list[str]``."""
+
+    def __init__(self, generate_fn: Callable[[list], list], prompt: str = ORACLE_PROMPT):
+        self.generate_fn, self.prompt = generate_fn, prompt
+
+    def answer_batch(self, pairs: Sequence[tuple]) -> list:
+        """Answer many (obj, question) pairs with one generate_fn call."""
+        prompts = [self.prompt.format(name=o.name, question=q.strip()) for o, q in pairs]
+        outs = self.generate_fn(prompts) if prompts else []
+        if len(outs) != len(prompts):
+            raise ValueError(f"ModelOracle: generate_fn returned {len(outs)} outputs for {len(prompts)} prompts")
+        return [parse_yes_no(o) for o in outs]
+
+    def answer(self, obj: ObjectSpec, question: str) -> str:
+        """One question."""
+        return self.answer_batch([(obj, question)])[0]
+
+
+def _is_test_object(name: str, test_fraction: float) -> bool:
+    # A stable content hash (not Python's salted hash()) so splits never change between runs.
+    h = int(hashlib.sha256(normalize(name).encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < test_fraction
+
+
+@gin.configurable(module='nlac_jax.envs')
+class TwentyQuestionsTaskSource(TaskSource):
+    """One task per object; a stable hash of the name puts ~``test_fraction`` of objects in 'test'."""
+
+    splits = ('train', 'test', 'all')
+
+    def __init__(self, object_list_path: Optional[str] = None, test_fraction: float = 0.2):
+        super().__init__()
+        self.table = load_object_table(object_list_path)
+        self.test_fraction = test_fraction
+
+    def _load(self, split):
+        out = []
+        for o in self.table.objects:
+            s = 'test' if _is_test_object(o.name, self.test_fraction) else 'train'
+            if split in (s, 'all'):
+                out.append(Task(id=f'20q-{normalize(o.name).replace(" ", "_")}', split=s, payload=o.to_payload()))
+        return out
+
+
+@gin.configurable(module='nlac_jax.envs')
+class TwentyQuestionsEnv(EnvBase):
+    """20 Questions against an ``Oracle`` (see module docstring for rewards and matching)."""
+
+    def __init__(self, oracle: Oracle, max_questions: int = MAX_QUESTIONS,
+                 max_action_chars: int = 1000):
+        self.oracle = oracle
+        self.max_turns = int(max_questions)
+        self.max_action_chars = max_action_chars
+        self.obj: Optional[ObjectSpec] = None
+
+    def reset(self, task: Task) -> list:
+        """Start a game whose hidden object is ``task.payload`` (an ``ObjectSpec.to_payload`` dict)."""
+        self.obj = ObjectSpec.from_payload(task.payload)
+        self.asked, self.done = 0, False
+        return [{'role': 'system', 'content': SYSTEM_PROMPT.format(n=self.max_turns)},
+                {'role': 'user', 'content': FIRST_USER}]
+
+    def step(self, action_text: str) -> StepResult:
+        """One question: reward 0 + done if it names the object, else -1 (done after max questions)."""
+        if self.obj is None:
+            raise RuntimeError("TwentyQuestionsEnv.step called before reset")
+        if self.done:
+            return StepResult('The game is over.', 0.0, True, {'error': True, 'success': False})
+        self.asked += 1
+        info = {'question_index': self.asked, 'error': False, 'success': False}
+        err = self.validate_action(action_text)
+        if err is not None:
+            info['error'] = True
+            obs = err
+        elif names_object(action_text, self.obj):
+            self.done = True
+            info['success'] = True
+            return StepResult(f"Yes! You guessed it: the object is {self.obj.name}.", 0.0, True, info)
+        else:
+            obs = self.oracle.answer(self.obj, action_text)
+            info['answer'] = obs
+        if self.asked >= self.max_turns:
+            self.done = True
+            return StepResult(f"{obs} You have used all {self.max_turns} questions. The object was "
+                              f"{self.obj.name}.", -1.0, True, info)
+        return StepResult(obs, -1.0, False, info)

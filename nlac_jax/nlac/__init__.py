@@ -1,0 +1,64 @@
+"""Natural Language Actor-Critic: prompts (one registry), role sampling interface, targets, parsers."""
+
+from nlac_jax.nlac.prompts import (
+    CHAT_ROLES,
+    DEFAULT_SET,
+    ROLES,
+    PromptSet,
+    PromptTemplate,
+    available_prompt_sets,
+    get_prompt_set,
+    render_transcript,
+)
+from nlac_jax.nlac.roles import PARAMS_NAMES, ParamsName, RoleSampler, SamplerCall, ScriptedRoleSampler, group
+from nlac_jax.nlac.targets import (
+    CriticExample,
+    PolicyExample,
+    TargetConfig,
+    TargetStats,
+    build_critic_examples,
+    build_nlac_examples,
+    build_policy_examples,
+    format_examples_for_humans,
+    truncate_summary,
+)
+from nlac_jax.nlac.verdict import (
+    clean_action,
+    format_return,
+    outcome_line,
+    parse_outcome,
+    parse_verdict,
+    replace_outcome_line,
+)
+
+__all__ = [
+    "CHAT_ROLES",
+    "DEFAULT_SET",
+    "ROLES",
+    "PARAMS_NAMES",
+    "CriticExample",
+    "ParamsName",
+    "PolicyExample",
+    "PromptSet",
+    "PromptTemplate",
+    "RoleSampler",
+    "SamplerCall",
+    "ScriptedRoleSampler",
+    "TargetConfig",
+    "TargetStats",
+    "available_prompt_sets",
+    "build_critic_examples",
+    "build_nlac_examples",
+    "build_policy_examples",
+    "clean_action",
+    "format_examples_for_humans",
+    "format_return",
+    "get_prompt_set",
+    "group",
+    "outcome_line",
+    "parse_outcome",
+    "parse_verdict",
+    "render_transcript",
+    "replace_outcome_line",
+    "truncate_summary",
+]
