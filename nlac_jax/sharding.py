@@ -47,6 +47,21 @@ class ShardingError(ValueError):
     pass
 
 
+@gin.configurable("logical_rules")
+def configured_rules(overrides: Sequence = ()) -> tuple:
+    """THE rules table as used by default: LOGICAL_RULES with rows replaced (or added) by gin, e.g.
+
+        logical_rules.overrides = [('embed', None), ('mlp', ('tensor', 'fsdp'))]
+
+    Each override is (logical name, mesh axes or None); the result is validated by check_rules."""
+    table = dict(LOGICAL_RULES)
+    for name, axes in overrides:
+        table[name] = axes
+    rules = tuple(table.items())
+    check_rules(rules)
+    return rules
+
+
 @gin.configurable
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Mesh (data, fsdp, tensor) with Auto axis types. One size may be -1: "the rest of the devices"."""
@@ -124,12 +139,36 @@ def named_sharding(names, shape, mesh: Mesh, rules=None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
 
 
+# logical axes of the token-batch arrays (docs/ARCHITECTURE.md, "Token batches")
+BATCH_LOGICAL_AXES = {
+    "input_ids": ("batch", "length"),
+    "attention_mask": ("batch", "length"),
+    "positions": ("batch", "length"),
+    "loss_mask": ("batch", "length"),
+    "kind": ("batch",),
+    "weight": ("batch",),
+}
+
+
+def batch_shardings(mesh: Mesh, rules=None, axes: dict | None = None) -> dict[str, NamedSharding]:
+    """NamedSharding per token-batch array: rows over the 'batch' rule's mesh axes (shape-independent, so the
+    batch size must be a multiple of `data_parallel_size`)."""
+    axes = BATCH_LOGICAL_AXES if axes is None else axes
+    return {k: NamedSharding(mesh, logical_to_spec(v, None, mesh, rules)) for k, v in axes.items()}
+
+
+def data_parallel_size(mesh: Mesh, rules=None) -> int:
+    """Number of batch shards: product of the mesh axes the 'batch' rule maps to."""
+    table = check_rules(rules if rules is not None else _active_rules())
+    return math.prod(mesh.shape[a] for a in table.get("batch", ()))
+
+
 # ----------------------------------------------------------------------------- activation constraints
 _ACTIVE: dict = {"mesh": None, "rules": None}
 
 
 def _active_rules():
-    return _ACTIVE["rules"] if _ACTIVE["rules"] is not None else LOGICAL_RULES
+    return _ACTIVE["rules"] if _ACTIVE["rules"] is not None else configured_rules()
 
 
 @contextlib.contextmanager

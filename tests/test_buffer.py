@@ -184,3 +184,22 @@ def test_transitions_from_runner_tuples():
     assert [t.info["turn"] for t in ts] == [0, 1] and ts[1].success is True
     assert all(t.episode_return == 1.0 and t.task == "tq" for t in ts)
     assert ts[1].next_observation == [{"role": "user", "content": "Correct!"}]
+
+
+def test_transitions_from_runner_objects():
+    """The runner's shape: objects with state_messages / next_state_messages, Episode.total_return."""
+    chat = _chat()
+    Step = types.SimpleNamespace
+    ep = types.SimpleNamespace(
+        task=types.SimpleNamespace(id="t1"),  # a Task object, not a prompt-set name: ignored
+        total_return=0.75, success=True,
+        transitions=[
+            Step(state_messages=chat[:4], action="Is it alive?", reward=-0.25, next_state_messages=chat[:6], done=False, info={}),
+            Step(state_messages=chat[:6], action="Is it a dog?", reward=1.0, next_state_messages=chat, done=True, info={}),
+        ],
+    )
+    ts = transitions_from_episode(ep, task="twenty_questions")
+    assert [t.action for t in ts] == ["Is it alive?", "Is it a dog?"] and ts[0].next_state == chat[:6]
+    assert all(t.episode_return == 0.75 and t.task == "twenty_questions" for t in ts)
+    assert ts[1].success is True and ts[0].success is None  # Episode.success lands on the terminal step
+    assert transitions_from_episode(ep)[0].task is None

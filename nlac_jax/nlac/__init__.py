@@ -20,6 +20,7 @@ from nlac_jax.nlac.targets import (
     build_nlac_examples,
     build_policy_examples,
     format_examples_for_humans,
+    trainable,
     truncate_summary,
 )
 from nlac_jax.nlac.verdict import (
@@ -59,6 +60,7 @@ __all__ = [
     "parse_outcome",
     "parse_verdict",
     "render_transcript",
+    "trainable",
     "replace_outcome_line",
     "truncate_summary",
 ]

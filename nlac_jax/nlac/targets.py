@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import gin
 
@@ -61,6 +61,7 @@ __all__ = [
     "build_policy_examples",
     "build_nlac_examples",
     "format_examples_for_humans",
+    "trainable",
     "truncate_summary",
 ]
 
@@ -141,6 +142,7 @@ class TargetStats:
     backup_fallbacks: int = 0  # empty backup outputs replaced by d_{t+1}
     backup_line_rewritten: int = 0  # backups whose final line differed from the exact Bellman line
     empty_actions: int = 0  # policy samples that were empty after cleaning
+    empty_targets: int = 0  # examples with an empty target_text (drop them with `trainable`)
 
     @property
     def frac_optimal(self) -> float:
@@ -385,6 +387,7 @@ def build_critic_examples(
             ex.next_action, ex.next_future, ex.backup_raw = a1, d1, raw
 
     stats.critic_examples += len(out)
+    stats.empty_targets += sum(1 for e in out if not e.target_text.strip())
     return out  # type: ignore[return-value]
 
 
@@ -509,6 +512,7 @@ def build_policy_examples(
             )
         )
     stats.policy_examples += n
+    stats.empty_targets += sum(1 for e in examples if not e.target_text.strip())
     return examples
 
 
@@ -528,11 +532,19 @@ def build_nlac_examples(
     return critic, policy, stats
 
 
+def trainable(examples: Sequence[CriticExample | PolicyExample]) -> list[CriticExample | PolicyExample]:
+    """The examples with a non-empty target (text packing rejects empty targets). Builders keep every
+    example so results stay aligned with their inputs; ``TargetStats.empty_targets`` counts the dropped ones.
+    An empty target arises only from degenerate samples: an empty policy action with no usable refinement,
+    or an empty forecast AND an empty backup."""
+    return [e for e in examples if e.target_text.strip()]
+
+
 # --------------------------------------------------------------------------------------------- logging
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in (text or "").split("\n"))
+    return "\n".join(prefix + line if line.strip() else "" for line in (text or "").split("\n"))
 
 
 def format_examples_for_humans(

@@ -188,7 +188,7 @@ def _as_transition_fields(t: Any) -> tuple:
 
 
 def _episode_return(episode: Any, rewards: Iterable[float]) -> float:
-    for name in ("episode_return", "total_reward", "return_"):
+    for name in ("episode_return", "total_return", "total_reward", "return_"):
         v = _get(episode, name)
         if v is not None and not callable(v):
             return float(v)
@@ -202,14 +202,18 @@ def transitions_from_episode(episode: Any, task: str | None = None) -> list[Tran
 
     1. ``episode.transitions``: a sequence of ``(state_messages, action, reward, next_state_messages, done,
        info)`` tuples (the ``info`` field optional), or objects/dicts with those names (``state``/``next_state``
-       also accepted). This is what the environment runner produces.
+       also accepted). This is what ``envs.BatchedRunner`` produces (``state_messages`` /
+       ``next_state_messages`` attributes; a truncated episode's last transition is non-terminal and is
+       kept, so the critic bootstraps through the time limit).
     2. ``episode.messages`` (the full chat) and ``episode.rewards`` (one reward per agent turn). The agent's
        turns are the LAST ``len(rewards)`` ``assistant`` messages, so few-shot assistant messages in the
        initial prompt are not mistaken for actions. The last turn is terminal unless ``episode.done`` is
        False (a truncated rollout), in which case the final transition is dropped because it has no next state.
        Optional ``episode.infos`` gives one info dict per turn.
 
-    ``task`` defaults to ``episode.task_name`` / ``episode.env_name`` (or ``episode.task`` if it is a string).
+    The episode return is ``episode.episode_return`` / ``total_return`` / ``total_reward`` when present, else
+    the sum of the rewards. ``task`` (the prompt-set name) defaults to ``episode.task_name`` /
+    ``episode.env_name`` (or ``episode.task`` if it is a string; a Task object is ignored).
     ``episode.success``, if present, is copied into the last transition's ``info['success']`` when the
     runner did not already put it there.
     """

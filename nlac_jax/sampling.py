@@ -1,0 +1,737 @@
+"""In-process KV-cache sampler: every NLAC role (policy, successor M_θ̄, evaluator, refiner) samples through here.
+
+    from nlac_jax import sampling
+    out = sampling.generate(model, prompts, max_new_tokens=64, temperature=0.0, stop_token_ids=..., seed=0)
+    out.tokens [B, N] int32 (0 after the stop), out.logprobs [B, N] float32 (0 after the stop), out.lengths [B],
+    out.stop_reason list[str], out.texts list[str] (with a tokenizer)
+
+    sampler = sampling.Sampler(cfg, mesh=mesh)           # the trainer keeps one and calls it with θ or θ̄:
+    out = sampler.generate(params_theta, prompts, ...)   # same compiled functions for any params of these shapes
+
+Design
+------
+* Two jitted functions per `Sampler`: `prefill` (the whole left-padded prompt batch in one call, writes the KV cache,
+  picks the first token) and `decode` (one `lax.while_loop`; one token per iteration for the whole batch; exits when
+  every row is done or the budget is spent; no host sync inside). Parameters are ARGUMENTS of both, never closed
+  over. `decode` donates its state, so the cache is updated in place.
+* Compile cache: jit's own cache, per Sampler. Static: the model config, mesh and rules (the Sampler), and the bucketed
+  shapes (batch bucket, prompt bucket, new-token bucket, number of stop-id slots, stop-string automaton size).
+  Traced (changing them never recompiles): parameter values, temperature, top_k, top_p, max_new_tokens (within its
+  bucket), stop token ids, stop-string tables (within their size bucket), the PRNG key, the prompts. Greedy is
+  `temperature <= 0`, chosen inside the compiled code by `lax.cond` (no second compilation). `TRACE_COUNTS` counts
+  traces (tests assert no retrace).
+* Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
+  >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
+  holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts
+  RoPE): token c of row b sits at position prompt_len[b] + c.
+* Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
+  then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
+  folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.
+  top-k and top-p use NO sort: each finds its cut-off by an exact 32-step bisection over the float32 bit patterns
+  of the logits (order-preserving uint32 keys), with one [B, V] compare+reduce per step. top-k keeps every token
+  whose logit is >= the k-th largest (ties at the k-th are all kept); top-p keeps the smallest set of most-likely
+  tokens whose probability mass reaches p (ties at the boundary all kept; masses are float32 sums). At least one
+  token is always kept. Each filter is skipped at run time (lax.cond) when disabled (top_k <= 0, top_p >= 1).
+* log-probabilities: `out.logprobs` are log π(token) under the model's UNMODIFIED distribution (temperature 1, no
+  top-k/top-p), i.e. what the trainer recomputes for the policy; 0 after the stop.
+* Stop tokens: any of `stop_token_ids`; the stop token is kept in `tokens` (and counted in `lengths`) but not in
+  `texts`. Default: the tokenizer's `text.stop_token_ids` (eos, <|im_end|>, <|endoftext|>...), else the config's eos.
+* Stop strings are detected ON DEVICE, exactly, so a row stops at the token that completes a stop string and the
+  loop exits early when all rows are done: for byte-level BPE tokenizers (Qwen2, Llama 3, SmolLM, GPT-2) the decoded
+  text is the concatenation of the tokens' bytes (special tokens decode to nothing), so an Aho-Corasick automaton over
+  the stop strings' UTF-8 bytes is precomputed on the host into a token-level table `next_state[state, token]`
+  (+ a "matched" bit) — one gather per row per step. For other tokenizers (no verified byte-level decoder) the check
+  runs on the host after generation (binary search for the shortest token prefix whose text contains a stop string;
+  exact, but no early exit). Either way: tokens up to and including the completing token are kept, `texts` are cut
+  before the stop string, and stop_reason is 'stop_string'.
+* stop_reason per row: 'stop_token', 'stop_string', 'length' (max_new_tokens reached), 'context_full' (the row
+  reached the model context, overflow='stop' only). Priority when several hold at one token: that order.
+* Context overflow (prompt + max_new_tokens > context = cfg.max_position_embeddings unless `max_context` is given):
+    overflow='truncate_left' (default): drop the oldest prompt tokens so that prompt + max_new_tokens == context;
+        `out.prompt_tokens_dropped[b]` says how many (and a warning is logged). Refused if max_new_tokens >= context.
+    overflow='error': ValueError naming the prompt, its length, max_new_tokens and the context.
+    overflow='stop': keep the prompt (refused if it alone fills the context) and end that row with 'context_full'
+        when prompt + generated reaches the context.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from nlac_jax import sharding
+from nlac_jax.models.config import ModelConfig
+from nlac_jax.models.decoder import CACHE_LOGICAL_AXES, CausalLM, init_cache
+
+log = logging.getLogger(__name__)
+Array = jax.Array
+
+STOP_REASONS = ("running", "stop_token", "stop_string", "length", "context_full")
+_RUNNING, _STOP_TOKEN, _STOP_STRING, _LENGTH, _CONTEXT = range(5)
+OVERFLOW_POLICIES = ("truncate_left", "error", "stop")
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+"""Times each jitted sampler function was traced (= compiled); tests assert it does not grow with new params."""
+
+_MIN_PROMPT_BUCKET = 16
+_MIN_NEW_BUCKET = 16
+_MIN_STOP_SLOTS = 8
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(int(minimum), 1 << max(0, int(n) - 1).bit_length())
+
+
+# =============================================================================================== token selection
+
+
+def _ordered_keys(x: Array) -> Array:
+    """float32 -> uint32 with the same order (radix-sort trick): negative floats flipped, positive get the top bit."""
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _largest_cutoff(keys: Array, pred) -> Array:
+    """Per row, the largest uint32 t with pred(t) (pred monotone non-increasing in t; pred(0) assumed true).
+
+    Exact bisection over the full uint32 range: 32 steps, each one pred evaluation ([B, V] compare + reduce).
+    """
+    B = keys.shape[0]
+
+    def body(_, c):
+        lo, hi = c
+        mid = lo + ((hi - lo) >> 1) + (lo < hi).astype(jnp.uint32)  # upper middle; == lo once converged
+        ok = pred(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, body, (jnp.zeros((B,), jnp.uint32), jnp.full((B,), 0xFFFFFFFF, jnp.uint32)))
+    return jnp.minimum(lo, keys.max(axis=-1))  # never above the best token: at least one token survives
+
+
+def top_k_mask(logits: Array, k) -> Array:
+    """bool [B, V]: tokens whose logit is >= the k-th largest of their row (ties kept); all tokens when k <= 0."""
+    keys = _ordered_keys(logits)
+    k = jnp.asarray(k, jnp.int32)
+    cut = _largest_cutoff(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1, dtype=jnp.int32) >= k)
+    return (keys >= cut[:, None]) | (k <= 0)
+
+
+def top_p_mask(logits: Array, p) -> Array:
+    """bool [B, V]: the smallest set of most likely tokens whose softmax mass reaches p (ties at the edge kept).
+
+    No sort: bisection on the logit cut-off t, mass(t) = sum of probabilities of tokens with logit >= t.
+    p >= 1 keeps every token; p <= 0 keeps only the best (ties included). -inf logits (filtered out) have mass 0.
+    """
+    keys = _ordered_keys(logits)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    p = jnp.asarray(p, jnp.float32)
+    cut = _largest_cutoff(keys, lambda t: jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= p)
+    return (keys >= cut[:, None]) | (p >= 1.0)
+
+
+def filter_logits(logits: Array, temperature, top_k, top_p) -> Array:
+    """Sampling logits: logits / temperature, then top-k, then top-p (on the top-k renormalised distribution).
+
+    Filtered-out tokens get -inf. Each filter costs nothing when disabled (lax.cond on the traced scalar).
+    """
+    x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    x = lax.cond(jnp.asarray(top_k) > 0, lambda x: jnp.where(top_k_mask(x, top_k), x, -jnp.inf), lambda x: x, x)
+    x = lax.cond(jnp.asarray(top_p) < 1.0, lambda x: jnp.where(top_p_mask(x, top_p), x, -jnp.inf), lambda x: x, x)
+    return x
+
+
+def select_tokens(logits: Array, key: Array, column, temperature, top_k, top_p) -> Array:
+    """Next token per row ([B] int32) from logits [B, V]: greedy when temperature <= 0, else a filtered sample.
+
+    Row b's randomness comes from fold_in(fold_in(key, column), b): reproducible for a key, whatever the bucket.
+    """
+    B, V = logits.shape
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        x = filter_logits(logits, temperature, top_k, top_p)
+        step_key = jax.random.fold_in(key, column)
+        g = jax.vmap(lambda b: jax.random.gumbel(jax.random.fold_in(step_key, b), (V,), jnp.float32))(jnp.arange(B))
+        return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+
+    return lax.cond(jnp.asarray(temperature) <= 0.0, greedy, sample, None)
+
+
+# =============================================================================================== compiled sampler
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries (a pytree). B = batch bucket, N = new-token bucket, S = cache slots."""
+
+    tokens: Array      # [B, N] int32 generated ids, 0 after the stop / beyond the end
+    logprobs: Array    # [B, N] float32 log π(token) (unmodified model distribution), 0 where tokens are masked
+    last: Array        # [B] int32 most recent token (the next decode input)
+    prompt_len: Array  # [B] int32 real prompt tokens (RoPE position of generated column c = prompt_len + c)
+    done: Array        # [B] bool
+    reason: Array      # [B] int32 index into STOP_REASONS
+    lengths: Array     # [B] int32 generated tokens (including the stop token)
+    ss_state: Array    # [B] int32 stop-string automaton state
+    cache: dict        # KV cache (models.decoder.init_cache layout), laid out by sharding's cache rules
+    step: Array        # int32 scalar: tokens generated so far (= the column the next token goes to)
+    key: Array         # PRNG key of this call
+
+
+def _controls(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=1, max_context=1 << 30, stop_ids=None,
+              ss_table=None) -> dict:
+    return dict(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p),
+                max_new=jnp.int32(max_new_tokens), max_context=jnp.int32(max_context),
+                stop_ids=jnp.full((_MIN_STOP_SLOTS,), -1, jnp.int32) if stop_ids is None else stop_ids,
+                ss_table=jnp.zeros((1, 1), jnp.int32) if ss_table is None else ss_table)
+
+
+def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
+    """Pick the token for column st.step from logits [B, V]; update buffers, stop flags and reasons."""
+    col = st.step
+    tok = select_tokens(logits, st.key, col, ctl["temperature"], ctl["top_k"], ctl["top_p"])
+    lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    active = ~st.done
+    tok = jnp.where(active, tok, 0)
+    lp = jnp.where(active, lp, 0.0)
+    tokens = lax.dynamic_update_slice(st.tokens, tok[:, None], (0, col))
+    logprobs = lax.dynamic_update_slice(st.logprobs, lp[:, None].astype(st.logprobs.dtype), (0, col))
+
+    is_stop = jnp.any(tok[:, None] == ctl["stop_ids"][None, :], axis=-1)
+    table = ctl["ss_table"]
+    if table.shape[0] > 1:  # static: stop strings present
+        entry = table[st.ss_state, jnp.clip(tok, 0, table.shape[1] - 1)]
+        ss_hit, ss_state = (entry & 1) == 1, entry >> 1
+    else:
+        ss_hit, ss_state = jnp.zeros_like(active), st.ss_state
+    n = col + 1
+    new_reason = jnp.select(
+        [is_stop, ss_hit, jnp.broadcast_to(n >= ctl["max_new"], active.shape), st.prompt_len + n >= ctl["max_context"]],
+        [_STOP_TOKEN, _STOP_STRING, _LENGTH, _CONTEXT], _RUNNING).astype(jnp.int32)
+    finishing = active & (new_reason != _RUNNING)
+    return st.replace(tokens=tokens, logprobs=logprobs, last=jnp.where(active, tok, st.last),
+                      done=st.done | finishing, reason=jnp.where(finishing, new_reason, st.reason),
+                      lengths=st.lengths + active.astype(jnp.int32), ss_state=jnp.where(active, ss_state, st.ss_state),
+                      step=st.step + 1)
+
+
+def _head(cfg: ModelConfig, params, hidden: Array) -> Array:
+    """LM head on final hidden states [B, T, E] -> logits [B, T, V] float32 (same ops as CausalLM)."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_word_embeddings:
+        w = params["embed"]["embedding"]
+        logits = jnp.einsum("bte,ve->btv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    else:
+        w = params["lm_head"]
+        w = w["kernel"] if isinstance(w, dict) else w  # CausalLM stores the head as a bare 'lm_head' param
+        logits = jnp.einsum("bte,ev->btv", hidden, w.astype(dt), preferred_element_type=jnp.float32)
+    return sharding.constrain(logits, ("batch", "length", "act_vocab"))
+
+
+def _constrain_cache(cache: dict) -> dict:
+    return {k: (v if not CACHE_LOGICAL_AXES[k] else sharding.constrain(v, CACHE_LOGICAL_AXES[k]))
+            for k, v in cache.items()}
+
+
+def prefill_forward(cfg: ModelConfig, params, ids: Array, mask: Array, cache_len: int) -> tuple[Array, dict]:
+    """Run the left-padded prompts [B, T] through the model into a fresh cache of `cache_len` slots.
+
+    Returns (logits of the last column [B, V] float32, cache). Only the last column goes through the LM head.
+    """
+    B, T = ids.shape
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
+    cache = _constrain_cache(init_cache(cfg, B, cache_len))
+    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
+    return _head(cfg, params, hidden[:, -1:])[:, 0], _constrain_cache(cache)
+
+
+def decode_forward(cfg: ModelConfig, params, tok: Array, pos: Array, cache: dict) -> tuple[Array, dict]:
+    """One decode step: tokens [B] at positions [B] -> (logits [B, V] float32, cache)."""
+    logits, cache = CausalLM(cfg).apply({"params": params}, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
+                                        cache)
+    return logits[:, 0], _constrain_cache(cache)
+
+
+def _prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int) -> DecodeState:
+    TRACE_COUNTS["prefill"] += 1
+    B, T = ids.shape
+    logits, cache = prefill_forward(cfg, params, ids, mask, T + new_bucket)
+
+    def batch(x, names):
+        return sharding.constrain(x, names)
+
+    st = DecodeState(
+        tokens=batch(jnp.zeros((B, new_bucket), jnp.int32), ("batch", "length")),
+        logprobs=batch(jnp.zeros((B, new_bucket), jnp.float32), ("batch", "length")),
+        last=jnp.zeros((B,), jnp.int32), prompt_len=mask.sum(axis=-1).astype(jnp.int32),
+        done=~row_live, reason=jnp.zeros((B,), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
+        ss_state=jnp.zeros((B,), jnp.int32), cache=cache, step=jnp.int32(0), key=key)
+    return _record(st, logits, ctl)
+
+
+def _decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
+    TRACE_COUNTS["decode"] += 1
+    limit = jnp.minimum(ctl["max_new"], st.tokens.shape[1])
+
+    def cond(st):
+        return (st.step < limit) & ~jnp.all(st.done)
+
+    def body(st):
+        # feed the token of column step-1 at its position; the cache slot is the cache's own running index
+        logits, cache = decode_forward(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache)
+        return _record(st.replace(cache=cache), logits, ctl)
+
+    return lax.while_loop(cond, body, st)
+
+
+# =============================================================================================== host side
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """Result of one `generate` call (NumPy; B = number of prompts, N = max_new_tokens).
+
+    tokens [B, N] int32 (0 after the stop), logprobs [B, N] float32 (log π of each token under the model's unmodified
+    distribution, 0 after the stop), lengths [B] (generated tokens, stop token included), stop_reason list[str]
+    ('stop_token' | 'stop_string' | 'length' | 'context_full'), texts list[str] | None (decoded, without the stop
+    token or stop string), prompt_lengths [B] (tokens actually used), prompt_tokens_dropped [B] (truncate_left).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    stop_reason: list
+    texts: list | None = None
+    prompt_lengths: np.ndarray | None = None
+    prompt_tokens_dropped: np.ndarray | None = None
+    num_steps: int = 0  # decode positions actually run (early exit when every row is done)
+
+    def token_lists(self) -> list[list[int]]:
+        """Generated ids per row, without the masked tail."""
+        return [self.tokens[b, : self.lengths[b]].tolist() for b in range(len(self.lengths))]
+
+
+# ---------------------------------------------------------------------------------------- stop strings
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-char table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_TOKEN_BYTES_CACHE: dict = {}
+_TABLE_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _decode(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes] | None:
+    """Per id, the bytes it adds to `decode(..., skip_special_tokens=True)`; None if that is not a plain concatenation.
+
+    Supported: byte-level BPE (decoder type ByteLevel): regular tokens map through GPT-2's byte table, special tokens
+    decode to b'', other added tokens to their UTF-8 content, ids beyond the tokenizer to b''. Verified on a few
+    random sequences against tokenizer.decode before use.
+    """
+    key = (id(tokenizer), vocab_size)
+    with _CACHE_LOCK:
+        hit = _TOKEN_BYTES_CACHE.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    result = None
+    try:
+        import json
+        dec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        if dec.get("type") == "ByteLevel":
+            special = set(int(i) for i in tokenizer.all_special_ids)
+            added = {int(i): t for i, t in tokenizer.added_tokens_decoder.items()}
+            pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+            out = []
+            for i, piece in enumerate(pieces):
+                if i in special or piece is None:
+                    out.append(b"")
+                elif i in added:
+                    out.append(b"" if added[i].special else added[i].content.encode("utf-8"))
+                elif all(c in _BYTE_DECODER for c in piece):
+                    out.append(bytes(_BYTE_DECODER[c] for c in piece))
+                else:
+                    out = None
+                    break
+            if out is not None:
+                out += [b""] * (vocab_size - len(out))
+                rng = np.random.RandomState(0)
+                for _ in range(8):  # the concatenation must reproduce tokenizer.decode
+                    ids = rng.randint(0, min(vocab_size, len(tokenizer)), size=12).tolist()
+                    if b"".join(out[i] for i in ids).decode("utf-8", "replace") != _decode(tokenizer, ids):
+                        out = None
+                        break
+            result = out
+    except Exception as e:  # any tokenizer we cannot introspect: host-side check instead
+        log.debug("token_bytes: falling back to host stop-string check (%s)", e)
+        result = None
+    with _CACHE_LOCK:
+        _TOKEN_BYTES_CACHE[key] = (tokenizer, result)
+        if len(_TOKEN_BYTES_CACHE) > 8:
+            _TOKEN_BYTES_CACHE.pop(next(iter(_TOKEN_BYTES_CACHE)))
+    return result
+
+
+def _aho_corasick(patterns: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Byte automaton for the patterns: delta [S, 256] int32 (complete), accept [S] bool (some pattern just ended)."""
+    goto: list[dict[int, int]] = [{}]
+    accept = [False]
+    for p in patterns:
+        s = 0
+        for c in p:
+            if c not in goto[s]:
+                goto.append({})
+                accept.append(False)
+                goto[s][c] = len(goto) - 1
+            s = goto[s][c]
+        accept[s] = True
+    S = len(goto)
+    delta = np.zeros((S, 256), np.int32)
+    fail = [0] * S
+    queue = collections.deque()
+    for c in range(256):
+        t = goto[0].get(c, 0)
+        delta[0, c] = t
+        if t:
+            queue.append(t)
+    while queue:
+        s = queue.popleft()
+        accept[s] = accept[s] or accept[fail[s]]
+        for c in range(256):
+            t = goto[s].get(c)
+            if t is None:
+                delta[s, c] = delta[fail[s], c]
+            else:
+                fail[t] = delta[fail[s], c]
+                delta[s, c] = t
+                queue.append(t)
+    return delta, np.asarray(accept, bool)
+
+
+def stop_string_table(tok_bytes: Sequence[bytes], stop_strings: Sequence[str]) -> np.ndarray:
+    """Token-level automaton [S_bucket, V] int32: entry = next_state * 2 + matched (a stop string completed inside).
+
+    Row `s` = automaton state before the token; states are bucketed to a power of two (>= 2) so a new set of stop
+    strings of similar size reuses the compiled decode loop.
+    """
+    delta, accept = _aho_corasick([s.encode("utf-8") for s in stop_strings])
+    S, V = delta.shape[0], len(tok_bytes)
+    lens = np.fromiter((len(b) for b in tok_bytes), np.int64, V)
+    order = np.argsort(-lens, kind="stable")  # longest first: at byte j only a prefix of `order` is still active
+    L = int(lens.max(initial=0))
+    mat = np.zeros((V, max(L, 1)), np.uint8)
+    for i, b in enumerate(tok_bytes):
+        if b:
+            mat[i, : len(b)] = np.frombuffer(b, np.uint8)
+    mat, slens = mat[order], lens[order]
+    cur = np.broadcast_to(np.arange(S, dtype=np.int32)[:, None], (S, V)).copy()
+    hit = np.zeros((S, V), bool)
+    for j in range(L):
+        n = int(np.searchsorted(-slens, -j, side="left"))  # tokens with len > j
+        if n == 0:
+            break
+        nxt = delta[cur[:, :n], mat[None, :n, j]]
+        cur[:, :n] = nxt
+        hit[:, :n] |= accept[nxt]
+    table = np.zeros((_pow2(S, 2), V), np.int32)
+    table[:S, order] = cur * 2 + hit
+    return table
+
+
+def _host_stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """(tokens to keep, text cut before the stop string) if a stop string occurs in decode(ids); else None."""
+    text = _decode(tokenizer, ids)
+    if not any(s in text for s in stop_strings):
+        return None
+    lo, hi = 1, len(ids)  # shortest prefix whose text contains a stop string (monotone in the prefix length)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in _decode(tokenizer, ids[:mid]) for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, _cut_text(_decode(tokenizer, ids[:lo]), stop_strings)
+
+
+def _cut_text(text: str, stop_strings: Sequence[str]) -> str:
+    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+# ---------------------------------------------------------------------------------------- the Sampler
+
+
+def _as_key(seed) -> Array:
+    if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        return seed
+    if isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == np.uint32 and seed.shape == (2,):
+        return jax.random.wrap_key_data(seed)
+    return jax.random.key(int(seed))
+
+
+class Sampler:
+    """Compiled prefill + decode for one model config (and mesh). Keep one and call it with any params.
+
+        sampler = Sampler(cfg, mesh=None)
+        out = sampler.generate(params, prompts, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=3, tokenizer=tok)
+
+    `params` must have the config's shapes; with a mesh they should already be laid out by
+    `models.param_shardings(cfg, mesh)` (device_put to that layout is a no-op when they are).
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
+                 min_new_bucket: int = _MIN_NEW_BUCKET):
+        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
+        self._param_shardings = None
+        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: _prefill_impl(
+            cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket), static_argnames=("new_bucket",))
+        self.decode = jax.jit(lambda params, st, ctl: _decode_impl(cfg, params, st, ctl), donate_argnums=(1,))
+
+    # ------------------------------------------------------------------ helpers
+    def _mesh_ctx(self):
+        import contextlib
+        return sharding.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+
+    @property
+    def data_parallel(self) -> int:
+        if self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+
+    def place_params(self, params):
+        """device_put params to the config's shardings on this mesh (no copy when already there)."""
+        if self.mesh is None:
+            return params
+        if self._param_shardings is None:
+            from nlac_jax import models
+            self._param_shardings = models.param_shardings(self.cfg, self.mesh, self.rules)
+        return jax.device_put(params, self._param_shardings)
+
+    def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
+        """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
+        b = _pow2(batch)
+        dp = self.data_parallel
+        b = -(-b // dp) * dp
+        return b, _pow2(longest_prompt, self.min_prompt_bucket), _pow2(max_new_tokens, self.min_new_bucket)
+
+    def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if tokenizer is None:
+                    raise ValueError(f"prompt {i} is a string but no tokenizer was given (pass tokenizer=)")
+                from nlac_jax import text
+                p = text.encode_text(tokenizer, p)
+            p = [int(t) for t in np.asarray(p).reshape(-1)]
+            if not p:
+                raise ValueError(f"prompt {i} is empty; the sampler needs at least one prompt token")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+            out.append(p)
+        if not out:
+            raise ValueError("generate needs at least one prompt")
+        return out
+
+    def _apply_overflow(self, prompts, max_new_tokens, context, overflow):
+        dropped = np.zeros(len(prompts), np.int32)
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow={overflow!r} is not one of {OVERFLOW_POLICIES}")
+        out = []
+        for i, p in enumerate(prompts):
+            n = len(p)
+            if n + max_new_tokens <= context:
+                out.append(p)
+            elif overflow == "error":
+                raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that is "
+                                 f"{n + max_new_tokens} > the model context of {context} tokens (overflow='error'; "
+                                 f"use overflow='truncate_left' or 'stop', or shorten the prompt)")
+            elif overflow == "truncate_left":
+                if max_new_tokens >= context:
+                    raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model context "
+                                     f"of {context} tokens (overflow='truncate_left' needs max_new_tokens < context)")
+                keep = context - max_new_tokens
+                dropped[i] = n - keep
+                log.warning("prompt %d: %d tokens + max_new_tokens=%d > context %d: dropped its first %d tokens "
+                            "(overflow='truncate_left')", i, n, max_new_tokens, context, n - keep)
+                out.append(p[n - keep:])
+            else:  # stop
+                if n >= context:
+                    raise ValueError(f"prompt {i} has {n} tokens, which fills the model context of {context} tokens: "
+                                     f"nothing can be generated (overflow='stop'; use 'truncate_left')")
+                out.append(p)
+        return out, dropped
+
+    def _stop_table(self, tokenizer, stop_strings):
+        """(device table or None, host_check) for the stop strings."""
+        if not stop_strings:
+            return None, False
+        if tokenizer is None:
+            raise ValueError(f"stop_strings={list(stop_strings)!r} need a tokenizer (pass tokenizer=)")
+        V = self.cfg.vocab_size
+        tb = token_bytes(tokenizer, V)
+        if tb is None:
+            return None, True
+        key = (id(tokenizer), V, tuple(stop_strings))
+        with _CACHE_LOCK:
+            hit = _TABLE_CACHE.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1], False
+        table = jnp.asarray(stop_string_table(tb, stop_strings))
+        with _CACHE_LOCK:
+            _TABLE_CACHE[key] = (tokenizer, table)
+            if len(_TABLE_CACHE) > 16:
+                _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+        return table, False
+
+    # ------------------------------------------------------------------ main entry
+    def generate(self, params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
+                 overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
+        """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the module docstring."""
+        cfg = self.cfg
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        stop_strings = tuple(s for s in stop_strings)
+        if any(not s for s in stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+        if stop_token_ids is None:
+            if tokenizer is not None:
+                from nlac_jax import text
+                stop_token_ids = text.stop_token_ids(tokenizer)
+            else:
+                eos = cfg.eos_token_id
+                stop_token_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        elif isinstance(stop_token_ids, (int, np.integer)):
+            stop_token_ids = (int(stop_token_ids),)
+        stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        context = int(max_context if max_context is not None else cfg.max_position_embeddings)
+
+        prompts = self._encode_prompts(prompts, tokenizer)
+        prompts, dropped = self._apply_overflow(prompts, max_new_tokens, context, overflow)
+        B = len(prompts)
+        Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
+
+        ids = np.zeros((Bb, Tb), np.int32)
+        mask = np.zeros((Bb, Tb), np.int32)
+        for b, p in enumerate(prompts):
+            ids[b, Tb - len(p):] = p
+            mask[b, Tb - len(p):] = 1
+        mask[B:, -1] = 1  # filler rows: one dummy token, done from the start
+        live = np.arange(Bb) < B
+
+        stop_ids = np.full((_pow2(len(stop_token_ids), _MIN_STOP_SLOTS),), -1, np.int32)
+        stop_ids[: len(stop_token_ids)] = stop_token_ids
+        table, host_check = self._stop_table(tokenizer, stop_strings)
+        ctl = _controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
+        key = _as_key(seed)
+
+        with self._mesh_ctx():
+            params = self.place_params(params)
+            if self.mesh is not None:
+                bs = sharding.named_sharding(("batch", "length"), (Bb, Tb), self.mesh, self.rules)
+                ids, mask = jax.device_put(ids, bs), jax.device_put(mask, bs)
+                live = jax.device_put(live, sharding.named_sharding(("batch",), (Bb,), self.mesh, self.rules))
+            st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
+            st = self.decode(params, st, ctl)
+            tokens, logprobs, lengths, reason, steps = jax.device_get(
+                (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
+
+        tokens = np.array(tokens[:B, :max_new_tokens])
+        logprobs = np.array(logprobs[:B, :max_new_tokens])
+        lengths = np.array(lengths[:B])
+        reasons = [STOP_REASONS[int(r)] for r in reason[:B]]
+        texts = None
+        if tokenizer is not None:
+            texts = []
+            for b in range(B):
+                n = int(lengths[b])
+                if host_check and reasons[b] != "stop_token":
+                    cut = _host_stop_string_cut(tokenizer, tokens[b, :n].tolist(), stop_strings)
+                    if cut is not None:
+                        n, txt = cut
+                        tokens[b, n:] = 0
+                        logprobs[b, n:] = 0.0
+                        lengths[b] = n
+                        reasons[b] = "stop_string"
+                        texts.append(txt)
+                        continue
+                body = tokens[b, : n - 1] if reasons[b] == "stop_token" else tokens[b, :n]
+                txt = _decode(tokenizer, body.tolist())
+                texts.append(_cut_text(txt, stop_strings) if reasons[b] == "stop_string" else txt)
+        return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
+                              prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
+                              prompt_tokens_dropped=dropped, num_steps=int(steps))
+
+    __call__ = generate
+
+    def cache_sizes(self) -> dict:
+        """Compiled variants held by this Sampler's jitted functions."""
+        return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size()}
+
+
+_SAMPLERS: dict = {}
+
+
+def get_sampler(cfg: ModelConfig, mesh=None, rules=None) -> Sampler:
+    """The shared Sampler for (cfg, mesh, rules): `generate` reuses its compiled functions across calls."""
+    key = (cfg, id(mesh) if mesh is not None else None, rules)
+    with _CACHE_LOCK:
+        s = _SAMPLERS.get(key)
+        if s is None or s.mesh is not mesh:
+            s = _SAMPLERS[key] = Sampler(cfg, mesh=mesh, rules=rules)
+        return s
+
+
+def generate(model_or_cfg_params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
+             mesh=None, overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
+    """Sample continuations for `prompts` from a `models.Model` (or a `(ModelConfig, params)` pair).
+
+    prompts: list of token-id lists, or of strings (needs a tokenizer: `tokenizer=` or the Model's own).
+    max_new_tokens: budget per row. temperature 0 = greedy; top_k 0 = off; top_p 1 = off. seed: int or PRNG key.
+    stop_token_ids: ids that end a row (default: the tokenizer's stop ids, else the config's eos; () = none).
+    stop_strings: strings that end a row (needs a tokenizer). mesh: run sharded (params are laid out on it).
+    overflow: 'truncate_left' | 'error' | 'stop' (module docstring). Returns a GenerateOutput.
+    """
+    if isinstance(model_or_cfg_params, tuple):
+        cfg, params = model_or_cfg_params
+    else:
+        cfg, params = model_or_cfg_params.config, model_or_cfg_params.params
+        if tokenizer is None:
+            tokenizer = getattr(model_or_cfg_params, "tokenizer", None)
+    return get_sampler(cfg, mesh).generate(
+        params, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed, tokenizer=tokenizer, overflow=overflow,
+        max_context=max_context)

@@ -1,0 +1,114 @@
+"""NLAC losses on a packed token batch: L1 (critic, kind 0) and L2 (policy, kind 1).
+
+Token-level NLL: the logits at position t-1 predict token t, which counts iff loss_mask[b, t] = 1 (loss_mask[:, 0]
+is ignored: nothing predicts the first token). With tmask[b, t] = loss_mask[b, t+1] ("the token predicted at t is a
+target"), n_b = Σ_t tmask[b, t], w_b = weight[b], K_k = {b : kind[b] = k}:
+
+  normalisation='token':     L_k = Σ_{b∈K_k} w_b Σ_t tmask[b,t]·nll[b,t]  /  N_k,   N_k = Σ_{b∈K_k} n_b
+                              (weighted token NLL over the number of target tokens of kind k in the WHOLE batch)
+  normalisation='sequence':  L_k = Σ_{b∈K_k, n_b>0} w_b · (Σ_t tmask[b,t]·nll[b,t] / n_b)  /  S_k,
+                              S_k = |{b ∈ K_k : n_b > 0}|   (mean over examples of the per-example mean NLL)
+  total = critic_weight · L1 + policy_weight · L2;   L_k = 0 when kind k has no target tokens.
+
+The counts N_k, S_k are unweighted (a weight-0 row with targets still counts; padded dummy rows have no targets).
+Both normalisations are linear in the token NLLs: total = Σ_{b,t} c[b,t]·nll[b,t] with coefficients c that depend
+only on the batch's masks. `loss_coefficients` computes c for the WHOLE batch up front, so gradient accumulation
+over micro-batches (each contributing Σ c·nll over its rows) reproduces the big-batch gradient exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nlac_jax import sharding
+
+NORMALISATIONS = ("token", "sequence")
+KIND_CRITIC, KIND_POLICY = 0, 1
+
+
+def shift_targets(input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """labels[b, t] = input_ids[b, t+1], tmask[b, t] = loss_mask[b, t+1]; the last column is (0, 0)."""
+    labels = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)
+    lm = loss_mask.astype(jnp.float32)
+    tmask = jnp.concatenate([lm[:, 1:], jnp.zeros_like(lm[:, :1])], axis=1)
+    return labels, tmask
+
+
+def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token") -> tuple[jax.Array, dict]:
+    """Per-token coefficients coef [2, B, T] (coef[k] turns token NLLs into L_k, see the module docstring; indexed
+    like the SHIFTED targets) and counts {critic_tokens, policy_tokens, critic_examples, policy_examples}."""
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"normalisation={normalisation!r}: expected one of {NORMALISATIONS}")
+    _, tmask = shift_targets(jnp.zeros(loss_mask.shape, jnp.int32), loss_mask)
+    n_b = tmask.sum(axis=1)  # [B]
+    w = weight.astype(jnp.float32)
+    coefs, stats = [], {}
+    for k, name in ((KIND_CRITIC, "critic"), (KIND_POLICY, "policy")):
+        is_k = (kind == k).astype(jnp.float32)
+        n_tok = jnp.sum(is_k * n_b)
+        n_ex = jnp.sum(is_k * (n_b > 0))
+        if normalisation == "token":
+            row = w * is_k / jnp.maximum(n_tok, 1.0)
+        else:
+            row = w * is_k / jnp.maximum(n_b, 1.0) / jnp.maximum(n_ex, 1.0)
+        coefs.append(row[:, None] * tmask)
+        stats[f"{name}_tokens"] = n_tok
+        stats[f"{name}_examples"] = n_ex
+    return jnp.stack(coefs), stats
+
+
+def _head(params: dict, tied: bool) -> jax.Array:
+    """The LM head: embedding [V, E] when tied, else lm_head [E, V] (a bare array in CausalLM's tree)."""
+    if tied:
+        return params["embed"]["embedding"]
+    head = params["lm_head"]
+    return head["kernel"] if isinstance(head, dict) else head
+
+
+def _chunk_nll(hidden, head, labels, tied: bool, dtype):
+    """hidden [B, C, E], labels [B, C] -> nll [B, C] float32; logits exactly as the decoder computes them."""
+    if tied:
+        logits = jnp.einsum("bte,ve->btv", hidden, head.astype(dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bte,ev->btv", hidden, head.astype(dtype), preferred_element_type=jnp.float32)
+    logits = sharding.constrain(logits, ("batch", "length", "act_vocab"))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return lse - label_logit
+
+
+def token_nll(hidden: jax.Array, params: dict, labels: jax.Array, *, tied: bool, dtype, chunk: int = 0) -> jax.Array:
+    """Per-token NLL [B, T] (float32) of `labels` under logits = final hidden @ head.
+
+    chunk > 0 and < T: the sequence is cut into chunks of `chunk` positions, scanned with a rematerialised body, so
+    only [B, chunk, V] float32 logits are alive at a time, forward and backward (Qwen's 152k vocab x 4k tokens of
+    float32 logits would be ~2.5 GB per row otherwise). T is padded up to a multiple of `chunk` internally.
+    """
+    head = _head(params, tied)
+    B, T, E = hidden.shape
+    if not chunk or chunk >= T:
+        return _chunk_nll(hidden, head, labels, tied, dtype)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad)))
+    hs = hidden.reshape(B, n, chunk, E).swapaxes(0, 1)  # [n, B, C, E]
+    ls = labels.reshape(B, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def body_fn(h, lab, head):
+        return _chunk_nll(h, head, lab, tied, dtype)
+
+    def body(carry, xs):
+        return carry, body_fn(xs[0], xs[1], head)
+
+    _, nll = jax.lax.scan(body, None, (hs, ls))  # [n, B, C]
+    return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+
+
+def weighted_losses(nll: jax.Array, coef: jax.Array) -> jax.Array:
+    """[L1, L2] = Σ_{b,t} coef[k] · nll; positions with coefficient 0 contribute exactly 0 (even if nll is NaN)."""
+    safe = jnp.where(coef != 0, nll[None], 0.0)
+    return jnp.sum(coef * safe, axis=(1, 2))

@@ -1,0 +1,281 @@
+"""The sharded NLAC train step: L1 + L2 over one mixed batch, gradient accumulation, AdamW, EMA target.
+
+    opt = training.make_optimizer()
+    state = training.create_train_state(cfg, mesh, opt, params=model.params)
+    step = training.make_train_step(cfg, mesh, opt)          # gin: make_train_step.*
+    state, metrics = step(state, batch)                      # batch: text.pack_examples(...).as_dict()
+
+`step` wraps `jax.jit(_step, in_shardings=(state, batch), out_shardings=(state, replicated), donate_argnums=(0,))`
+and enters the mesh (`sharding.use_mesh`) around the call so activation constraints apply while tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nlac_jax import sharding
+from nlac_jax.models.config import ModelConfig
+from nlac_jax.models.decoder import CausalLM
+from nlac_jax.training import loss as loss_lib
+from nlac_jax.training.optim import Optimizer, make_optimizer
+from nlac_jax.training.state import TrainState, state_shardings
+
+BATCH_KEYS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight")
+_BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions": np.int32,
+                 "loss_mask": np.float32, "kind": np.int32, "weight": np.float32}
+METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples",
+               "num_tokens", "grad_norm", "learning_rate", "skipped", "skipped_total", "consecutive_skips", "step")
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive train steps with a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """How the step combines and reduces the losses (see training/loss.py for the exact formulas)."""
+
+    critic_weight: float = 1.0
+    policy_weight: float = 1.0
+    normalisation: str = "token"
+    num_microbatches: int = 1
+    loss_chunk: int = 0
+    ema_decay: float = 0.99
+    max_consecutive_skips: int = 10
+
+
+# ----------------------------------------------------------------------------- pure functions (traced)
+def _microbatch_loss(params, mb, cfg: ModelConfig, sc: StepConfig):
+    """Σ coef·nll over one micro-batch: (total, [L1 part, L2 part])."""
+    hidden, _ = CausalLM(cfg).apply({"params": params}, mb["input_ids"], mb["positions"], mb["attention_mask"],
+                                    return_hidden=True)
+    nll = loss_lib.token_nll(hidden, params, mb["labels"], tied=cfg.tie_word_embeddings, dtype=jnp.dtype(cfg.dtype),
+                             chunk=sc.loss_chunk)
+    parts = loss_lib.weighted_losses(nll, mb["coef"])
+    return sc.critic_weight * parts[0] + sc.policy_weight * parts[1], parts
+
+
+def _split_microbatches(x, m: int):
+    """[B, ...] -> [m, B/m, ...] with micro-batch i = rows i, i+m, i+2m, ...: each data shard keeps its own rows."""
+    b = x.shape[0]
+    return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc: StepConfig, param_shardings=None):
+    """(total loss, grads (float32, like params), info) for a token batch; accumulation over sc.num_microbatches.
+
+    info: l1, l2 and the per-kind counts of loss_lib.loss_coefficients, plus num_tokens (real tokens in the batch).
+    """
+    coef, counts = loss_lib.loss_coefficients(batch["loss_mask"], batch["kind"], batch["weight"], sc.normalisation)
+    labels, _ = loss_lib.shift_targets(batch["input_ids"], batch["loss_mask"])
+    data = {"input_ids": batch["input_ids"], "positions": batch["positions"],
+            "attention_mask": batch["attention_mask"], "labels": labels, "coef": coef.swapaxes(0, 1)}  # coef [B,2,T]
+    grad_fn = jax.value_and_grad(
+        lambda p, mb: _microbatch_loss(p, {**mb, "coef": mb["coef"].swapaxes(0, 1)}, cfg, sc), has_aux=True)
+    to_f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)  # noqa: E731
+    m = sc.num_microbatches
+    if m <= 1:
+        (total, parts), grads = grad_fn(params, data)
+        grads = to_f32(grads)
+    else:
+        mbs = jax.tree.map(lambda x: _split_microbatches(x, m), data)
+
+        def body(carry, mb):
+            g_acc, tot_acc, parts_acc = carry
+            mb = {k: sharding.constrain(v, ("batch",) + ("length",) * (v.ndim - 1) if k != "coef"
+                                        else ("batch", None, "length")) for k, v in mb.items()}
+            (tot, parts), g = grad_fn(params, mb)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, tot_acc + tot, parts_acc + parts), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        if param_shardings is not None and sharding._ACTIVE["mesh"] is not None:  # noqa: SLF001
+            zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32))
+        (grads, total, parts), _ = jax.lax.scan(body, init, mbs)
+    info = dict(counts, l1=parts[0], l2=parts[1],
+                num_tokens=jnp.sum(batch["attention_mask"]).astype(jnp.float32))
+    return total, grads, info
+
+
+def _select(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def train_step(state: TrainState, batch, cfg: ModelConfig, optimizer: Optimizer, sc: StepConfig,
+               param_shardings=None) -> tuple[TrainState, dict]:
+    """One update (pure; jit it via make_train_step). Non-finite loss or grad norm -> θ, opt_state, θ̄ unchanged."""
+    total, grads, info = loss_and_grads(state.params, batch, cfg, sc, param_shardings)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    lr = optimizer.schedule(state.applied_updates)
+    updates, new_opt = optimizer.tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    tau = sc.ema_decay
+    new_target = jax.tree.map(lambda t, p: tau * t + (1.0 - tau) * p, state.target_params, new_params)
+    skipped = (~finite).astype(jnp.int32)
+    rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+    new_state = TrainState(
+        params=_select(finite, new_params, state.params),
+        opt_state=_select(finite, new_opt, state.opt_state),
+        target_params=_select(finite, new_target, state.target_params),
+        step=state.step + 1, rng=rng, skipped=state.skipped + skipped,
+        consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
+    metrics = dict(info, loss=total, grad_norm=grad_norm, learning_rate=lr, skipped=skipped,
+                   skipped_total=new_state.skipped, consecutive_skips=new_state.consecutive_skips, step=state.step)
+    return new_state, metrics
+
+
+# ----------------------------------------------------------------------------- host side
+def check_finite(metrics: Mapping[str, Any], max_consecutive_skips: int) -> None:
+    """Raise NonFiniteError when `metrics['consecutive_skips']` reached `max_consecutive_skips` (<= 0: never)."""
+    if max_consecutive_skips <= 0:
+        return
+    n = int(metrics["consecutive_skips"])
+    if n >= max_consecutive_skips:
+        raise NonFiniteError(
+            f"{n} consecutive train steps had a non-finite loss or gradient norm and were skipped (limit "
+            f"make_train_step.max_consecutive_skips={max_consecutive_skips}); last step {int(metrics['step'])}: "
+            f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}, "
+            f"total skipped={int(metrics['skipped_total'])}. Lower the learning rate, check the batch for empty or "
+            f"broken targets, or restore the last checkpoint.")
+
+
+def tokens_per_second(num_tokens: float, seconds: float) -> float:
+    """Throughput helper: tokens (e.g. metrics['num_tokens'], real tokens incl. prompts) per wall-clock second."""
+    return float(num_tokens) / max(float(seconds), 1e-12)
+
+
+class Throughput:
+    """Host-side tokens/s meter: `t = Throughput(); ...; t.update(metrics['num_tokens']); t.tokens_per_second`.
+
+    Measures wall time between `update` calls (block on the metrics first for honest numbers)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self._t0, self.tokens, self.seconds = time.perf_counter(), 0.0, 0.0
+
+    def update(self, num_tokens) -> float:
+        now = time.perf_counter()
+        dt, self._t0 = now - self._t0, now
+        self.tokens += float(num_tokens)
+        self.seconds += dt
+        return tokens_per_second(num_tokens, dt)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return tokens_per_second(self.tokens, self.seconds)
+
+
+class TrainStep:
+    """Callable `step(state, batch) -> (new_state, metrics)`; `state` is donated (do not reuse it).
+
+    batch: a dict (or anything with `.as_dict()`, e.g. text.PackedBatch) with the arrays of the token-batch contract
+    (docs/ARCHITECTURE.md). B must be divisible by num_microbatches and by the data-parallel size (data × fsdp).
+    Non-finite guard: after each call, the PREVIOUS call's metrics are checked (so the check never stalls the
+    pipeline) and NonFiniteError is raised once `max_consecutive_skips` updates in a row were skipped.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh, optimizer: Optimizer, sc: StepConfig, rules=None):
+        self.cfg, self.mesh, self.optimizer, self.config, self.rules = cfg, mesh, optimizer, sc, rules
+        self.state_shardings = state_shardings(cfg, mesh, optimizer, rules)
+        self.batch_shardings = sharding.batch_shardings(mesh, rules)
+        self.data_parallel = sharding.data_parallel_size(mesh, rules)
+        rep = NamedSharding(mesh, P())
+        fn = lambda state, batch: train_step(state, batch, cfg, optimizer, sc,  # noqa: E731
+                                             self.state_shardings.params)
+        self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings),
+                              out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
+        self._pending = None
+
+    def prepare_batch(self, batch) -> dict:
+        """Validate and convert a host batch (dict or PackedBatch) to the contract dtypes."""
+        if hasattr(batch, "as_dict"):
+            batch = batch.as_dict()
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
+        out = {k: (batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k], _BATCH_DTYPES[k]))
+               for k in BATCH_KEYS}
+        B = out["input_ids"].shape[0]
+        m = self.config.num_microbatches
+        if B % max(m, 1):
+            raise ValueError(f"batch size {B} is not divisible by num_microbatches={m}")
+        if B % self.data_parallel:
+            raise ValueError(f"batch size {B} is not divisible by the data-parallel size {self.data_parallel} "
+                             f"(mesh {dict(self.mesh.shape)})")
+        return out
+
+    def lower(self, state, batch):
+        with sharding.use_mesh(self.mesh, self.rules):
+            return self.jitted.lower(state, self.prepare_batch(batch))
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        batch = self.prepare_batch(batch)
+        with sharding.use_mesh(self.mesh, self.rules):
+            new_state, metrics = self.jitted(state, batch)
+        prev, self._pending = self._pending, metrics
+        if prev is not None:
+            check_finite(prev, self.config.max_consecutive_skips)
+        return new_state, metrics
+
+    def check(self) -> None:
+        """Check the latest metrics now (blocking)."""
+        if self._pending is not None:
+            check_finite(self._pending, self.config.max_consecutive_skips)
+
+
+@gin.configurable
+def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, *, critic_weight: float = 1.0,
+                    policy_weight: float = 1.0, normalisation: str = "token", num_microbatches: int = 1,
+                    loss_chunk: int = 0, ema_decay: float = 0.99, max_consecutive_skips: int = 10,
+                    rules=None) -> TrainStep:
+    """The jitted, sharded NLAC train step for model `cfg` on `mesh`.
+
+    critic_weight, policy_weight: total = critic_weight·L1 + policy_weight·L2.
+    normalisation: 'token' | 'sequence' (exact formulas in training/loss.py).
+    num_microbatches: gradient accumulation inside the jitted step (lax.scan, float32 accumulators); identical to
+      one big batch because the per-token loss coefficients are computed from the whole batch first.
+    loss_chunk: sequence positions per logits chunk (0 = all at once); bounds the float32 logits to
+      [B/num_microbatches, loss_chunk, vocab].
+    ema_decay: τ of the target update θ̄ ← τ·θ̄ + (1−τ)·θ, applied after every applied optimiser update.
+    max_consecutive_skips: raise NonFiniteError after this many skipped (non-finite) updates in a row (0 = never).
+    Compute dtype and remat come from cfg (cfg.dtype, cfg.remat); master weights are float32.
+    """
+    if normalisation not in loss_lib.NORMALISATIONS:
+        raise ValueError(f"make_train_step.normalisation={normalisation!r}: expected {loss_lib.NORMALISATIONS}")
+    if not 0.0 <= ema_decay <= 1.0:
+        raise ValueError(f"make_train_step.ema_decay={ema_decay}: expected 0 <= τ <= 1")
+    sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
+                    num_microbatches=num_microbatches, loss_chunk=loss_chunk, ema_decay=ema_decay,
+                    max_consecutive_skips=max_consecutive_skips)
+    return TrainStep(cfg, mesh, optimizer if optimizer is not None else make_optimizer(), sc, rules)
+
+
+def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_weight: float = 1.0,
+                 normalisation: str = "token", num_microbatches: int = 1, loss_chunk: int = 0, rules=None):
+    """Jitted `(params, batch) -> (loss, grads, info)` with the step's exact loss (tests, diagnostics)."""
+    from nlac_jax import models
+    sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
+                    num_microbatches=num_microbatches, loss_chunk=loss_chunk)
+    ps = models.param_shardings(cfg, mesh, rules)
+    bs = sharding.batch_shardings(mesh, rules)
+    jitted = jax.jit(lambda p, b: loss_and_grads(p, b, cfg, sc, ps), in_shardings=(ps, bs),
+                     out_shardings=(NamedSharding(mesh, P()), ps, NamedSharding(mesh, P())))
+
+    def run(params, batch):
+        batch = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in BATCH_KEYS}
+        with sharding.use_mesh(mesh, rules):
+            return jitted(jax.device_put(params, ps), batch)
+    return run
