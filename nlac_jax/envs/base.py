@@ -8,6 +8,9 @@ Conventions
 * ``Env.step`` never raises on bad agent output: empty, over-long or unparsable actions come back as an error
   observation with ``info['error'] = True`` (and usually still consume a turn), so a weak policy cannot crash a
   rollout and the critic sees the consequence of its mistakes.
+* Envs that need a model to finish a step (20 Questions' model oracle, τ-bench's model user) split ``step`` into
+  ``step_begin(action) -> ModelRequest | None`` and ``step_end(reply) -> StepResult``; ``BatchedRunner`` answers the
+  requests of all active episodes with one call per model function, so those calls are batched like the policy's.
 * Observations are appended to the history as ``user`` messages (tool results included, see ``tau_bench.py``):
   keeping to three roles keeps every chat template happy.
 """
@@ -88,6 +91,14 @@ class Env(Protocol):
         """Apply one agent action; never raises on malformed agent output."""
 
 
+@dataclasses.dataclass
+class ModelRequest:
+    """A model call an env needs to finish a step: ``fn([input, ...]) -> [output, ...]`` (batched by the runner)."""
+
+    fn: Callable[[list], list]
+    input: Any
+
+
 class EnvBase:
     """Convenience base class: action validation and the optional optimality hooks (None = unknown)."""
 
@@ -104,6 +115,33 @@ class EnvBase:
             return (f"Error: your message was {len(action_text)} characters long; the limit is "
                     f"{self.max_action_chars}. Please reply more concisely.")
         return None
+
+    # --- two-phase stepping -----------------------------------------------------------------------------------
+    # Envs whose step needs a model call (20Q ModelOracle, τ-bench ModelUser) implement step_begin / step_end, so
+    # BatchedRunner can answer the model requests of ALL active episodes with one batched call per function.
+    # Envs without model calls just implement step(); the defaults below wrap it.
+
+    def step(self, action_text: str) -> StepResult:
+        """One action, answering any model request with its own (unbatched) call."""
+        if type(self).step_begin is EnvBase.step_begin:
+            raise NotImplementedError(f"{type(self).__name__} implements neither step nor step_begin/step_end")
+        req = self.step_begin(action_text)
+        reply = None
+        if req is not None:
+            outs = req.fn([req.input])
+            if len(outs) != 1:
+                raise ValueError(f"model function returned {len(outs)} outputs for 1 input")
+            reply = outs[0]
+        return self.step_end(reply)
+
+    def step_begin(self, action_text: str) -> Optional['ModelRequest']:
+        """Phase 1: apply the action; return a ModelRequest if finishing the step needs a model reply."""
+        self._sync_result = self.step(action_text)
+        return None
+
+    def step_end(self, reply: Optional[str]) -> StepResult:
+        """Phase 2: finish the step with the reply to the request of ``step_begin`` (None if there was none)."""
+        return self._sync_result
 
     def optimal_actions(self, history: Sequence[Message]) -> Optional[set]:
         """The set of optimal actions in the state ``history``, or None when the env cannot tell."""
@@ -252,10 +290,9 @@ class BatchedRunner:
             actions = self.policy_fn(histories)
             if len(actions) != len(active):
                 raise ValueError(f"policy_fn returned {len(actions)} actions for {len(active)} histories")
-            for i, action in zip(active, actions):
+            actions = [a if isinstance(a, str) else str(a) for a in actions]
+            for i, action, res in zip(active, actions, self._step_all([self.envs[i] for i in active], actions)):
                 s = slots[i]
-                action = action if isinstance(action, str) else str(action)
-                res = self.envs[i].step(action)
                 state = copy.deepcopy(s['messages'])
                 s['messages'].append({'role': 'assistant', 'content': action})
                 if res.observation:
@@ -277,6 +314,30 @@ class BatchedRunner:
                     start(i)
         return results
 
+    @staticmethod
+    def _step_all(envs: Sequence[Env], actions: Sequence[str]) -> list:
+        """Step every env; model requests of two-phase envs are answered in batches (see EnvBase.step_begin)."""
+        two_phase = [hasattr(e, 'step_begin') and hasattr(e, 'step_end') for e in envs]
+        requests = [e.step_begin(a) if tp else None for e, a, tp in zip(envs, actions, two_phase)]
+        replies = _answer_requests(requests)
+        return [e.step_end(r) if tp else e.step(a) for e, a, r, tp in zip(envs, actions, replies, two_phase)]
+
+
+def _answer_requests(requests: Sequence[Optional[ModelRequest]]) -> list:
+    """Replies for a list of (optional) requests: one call per distinct ``fn`` over all its inputs."""
+    replies: list = [None] * len(requests)
+    groups: dict = {}
+    for j, r in enumerate(requests):
+        if r is not None:
+            groups.setdefault(id(r.fn), (r.fn, []))[1].append(j)
+    for fn, idx in groups.values():
+        outs = fn([requests[j].input for j in idx])
+        if len(outs) != len(idx):
+            raise ValueError(f"model function returned {len(outs)} outputs for {len(idx)} inputs")
+        for j, o in zip(idx, outs):
+            replies[j] = o
+    return replies
+
 
 def pass_hat_k(successes_per_task: Sequence[Sequence[bool]], k: int) -> float:
     """τ-bench's pass^k: mean over tasks of comb(c, k) / comb(n, k) (n trials, c successes per task).
@@ -293,6 +354,14 @@ def pass_hat_k(successes_per_task: Sequence[Sequence[bool]], k: int) -> float:
     if not vals:
         raise ValueError("pass_hat_k needs at least one task")
     return sum(vals) / len(vals)
+
+
+def pass_hat_k_from_episodes(episodes: Sequence[Episode], k: int) -> float:
+    """pass^k over Episodes grouped by ``task.id`` (each task played n >= k times)."""
+    by_task: dict = {}
+    for e in episodes:
+        by_task.setdefault(e.task.id, []).append(bool(e.success))
+    return pass_hat_k(list(by_task.values()), k)
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict:

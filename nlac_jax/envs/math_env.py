@@ -22,7 +22,7 @@ import re
 import threading
 from fractions import Fraction
 from math import gcd
-from typing import Optional, Sequence
+from typing import Optional
 
 import gin
 
@@ -81,7 +81,7 @@ def extract_answer(text: str) -> Optional[str]:
     for rx in (_ANSWER_LINE_RE, _HASH_RE):
         ms = list(rx.finditer(text or ''))
         if ms:
-            ans = ms[-1].group(1).strip()
+            ans = ms[-1].group(1).strip().rstrip('.').strip()
             ans = re.sub(r'^\$+|\$+$', '', ans).strip()
             ans = re.sub(r'^\\\(|\\\)$', '', ans).strip()
             return ans.rstrip('.').strip() or None
@@ -484,10 +484,11 @@ def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> 
 class MathJsonlTaskSource(TaskSource):
     """Splits backed by MATH-style JSONL files: ``paths={'test': '.../test.jsonl', ...}``."""
 
-    def __init__(self, paths: dict, hard_only: bool = False):
+    def __init__(self, paths: Optional[dict] = None, hard_only: bool = False):
         super().__init__()
         if not paths:
-            raise ValueError("MathJsonlTaskSource: paths is empty")
+            raise ValueError("MathJsonlTaskSource: no paths given (bind MathJsonlTaskSource.paths = "
+                             "{'test': '/path/to/test.jsonl'} in gin)")
         self.paths, self.hard_only = dict(paths), hard_only
         self.splits = tuple(self.paths)
 

@@ -79,6 +79,7 @@ class GuessNumberEnv(EnvBase):
     def __init__(self, n: int = 100, max_turns: Optional[int] = None,
                  max_action_chars: int = DEFAULT_MAX_ACTION_CHARS):
         self.n = int(n)
+        self._max_turns_arg = max_turns  # None: follow the task's n (recomputed in reset)
         self.max_turns = int(max_turns) if max_turns is not None else binary_search_turns(self.n)
         self.max_action_chars = max_action_chars
         self._task: Optional[Task] = None
@@ -87,6 +88,8 @@ class GuessNumberEnv(EnvBase):
         """Start a game on ``task.payload['target']`` (and its ``n`` when given)."""
         target = int(task.payload['target'])
         self.n = int(task.payload.get('n', self.n))
+        if self._max_turns_arg is None:
+            self.max_turns = binary_search_turns(self.n)
         if not 1 <= target <= self.n:
             raise ValueError(f"task {task.id}: target {target} outside [1, {self.n}]")
         self._task, self.target = task, target

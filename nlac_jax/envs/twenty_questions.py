@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import gin
 
-from nlac_jax.envs.base import DEFAULT_MAX_ACTION_CHARS, EnvBase, StepResult, Task, TaskSource
+from nlac_jax.envs.base import EnvBase, ModelRequest, StepResult, Task, TaskSource
 
 DEFAULT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_objects.json')
 MAX_QUESTIONS = 20
@@ -263,9 +263,21 @@ def load_object_table(path: Optional[str] = None) -> ObjectTable:
 
 
 class Oracle:
-    """Answers a yes/no question about the hidden object."""
+    """Answers a yes/no question about the hidden object.
+
+    Model-backed oracles also implement ``request`` (a ``ModelRequest`` the runner can batch across episodes)
+    and ``parse_reply`` (model text -> answer); rule-based ones answer synchronously.
+    """
 
     def answer(self, obj: ObjectSpec, question: str) -> str:
+        raise NotImplementedError
+
+    def request(self, obj: ObjectSpec, question: str) -> Optional[ModelRequest]:
+        """A model request answering the question, or None to use ``answer`` synchronously."""
+        return None
+
+    def parse_reply(self, reply: Optional[str]) -> str:
+        """Answer from a model reply to ``request``."""
         raise NotImplementedError
 
 
@@ -326,6 +338,14 @@ class ModelOracle(Oracle):
         """One question."""
         return self.answer_batch([(obj, question)])[0]
 
+    def request(self, obj: ObjectSpec, question: str) -> ModelRequest:
+        """The yes/no prompt for ``generate_fn``."""
+        return ModelRequest(self.generate_fn, self.prompt.format(name=obj.name, question=question.strip()))
+
+    def parse_reply(self, reply: Optional[str]) -> str:
+        """'Yes.' / 'No.' (unparsable -> 'No.')."""
+        return parse_yes_no(reply)
+
 
 def _is_test_object(name: str, test_fraction: float) -> bool:
     # A stable content hash (not Python's salted hash()) so splits never change between runs.
@@ -371,25 +391,46 @@ class TwentyQuestionsEnv(EnvBase):
         return [{'role': 'system', 'content': SYSTEM_PROMPT.format(n=self.max_turns)},
                 {'role': 'user', 'content': FIRST_USER}]
 
-    def step(self, action_text: str) -> StepResult:
-        """One question: reward 0 + done if it names the object, else -1 (done after max questions)."""
+    def step_begin(self, action_text: str) -> Optional[ModelRequest]:
+        """One question: reward 0 + done if it names the object, else -1 (done after max questions).
+
+        With a model-backed oracle the answer is requested as a ``ModelRequest`` (batched by BatchedRunner);
+        ``step()`` (inherited) answers it directly.
+        """
         if self.obj is None:
             raise RuntimeError("TwentyQuestionsEnv.step called before reset")
+        self._result, self._info = None, None
         if self.done:
-            return StepResult('The game is over.', 0.0, True, {'error': True, 'success': False})
+            self._result = StepResult('The game is over.', 0.0, True, {'error': True, 'success': False})
+            return None
         self.asked += 1
         info = {'question_index': self.asked, 'error': False, 'success': False}
         err = self.validate_action(action_text)
         if err is not None:
             info['error'] = True
-            obs = err
+            self._result = self._finish(err, info)
         elif names_object(action_text, self.obj):
             self.done = True
             info['success'] = True
-            return StepResult(f"Yes! You guessed it: the object is {self.obj.name}.", 0.0, True, info)
+            self._result = StepResult(f"Yes! You guessed it: the object is {self.obj.name}.", 0.0, True, info)
         else:
-            obs = self.oracle.answer(self.obj, action_text)
-            info['answer'] = obs
+            req = self.oracle.request(self.obj, action_text)
+            if req is not None:
+                self._info = info
+                return req
+            info['answer'] = self.oracle.answer(self.obj, action_text)
+            self._result = self._finish(info['answer'], info)
+        return None
+
+    def step_end(self, reply: Optional[str]) -> StepResult:
+        """Finish the step (with the oracle model's reply when ``step_begin`` asked for one)."""
+        if self._result is not None:
+            return self._result
+        info = self._info
+        info['answer'] = self.oracle.parse_reply(reply)
+        return self._finish(info['answer'], info)
+
+    def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:
             self.done = True
             return StepResult(f"{obs} You have used all {self.max_turns} questions. The object was "

@@ -99,7 +99,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def all_steps(self) -> list[int]:
-        return sorted(self._mngr.all_steps(read=True))
+        return sorted(self._mngr.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()

@@ -115,7 +115,7 @@ def train_step(state: TrainState, batch, cfg: ModelConfig, optimizer: Optimizer,
                param_shardings=None) -> tuple[TrainState, dict]:
     """One update (pure; jit it via make_train_step). Non-finite loss or grad norm -> θ, opt_state, θ̄ unchanged."""
     total, grads, info = loss_and_grads(state.params, batch, cfg, sc, param_shardings)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     lr = optimizer.schedule(state.applied_updates)
     updates, new_opt = optimizer.tx.update(grads, state.opt_state, state.params)

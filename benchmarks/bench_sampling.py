@@ -1,0 +1,160 @@
+"""Sampler throughput: nlac_jax.sampling vs transformers PyTorch `generate` (KV cache), side by side, same CPU.
+
+    python benchmarks/bench_sampling.py                       # the issue's reference setting (several minutes)
+    python benchmarks/bench_sampling.py --quick               # batch 1 and 8, 32 new tokens, float32 only
+    python benchmarks/bench_sampling.py --batches 1,32 --new_tokens 64 --dtypes float32,bfloat16 --repeats 3
+
+Reference model: a random Qwen2 (hidden 768, 8 layers, 12 heads, 2 kv heads, MLP 2048, vocab 32000, untied head:
+97.9M parameters); prompts of --prompt_len random tokens; exactly --new_tokens new tokens (no early stop); greedy.
+Reported per (dtype, batch): compile time (first call minus a steady call), steady-state generated tokens/s of both
+(best of --repeats, prefill included, as transformers' generate), our decode-only steps/s, and for batch 1 the
+streaming efficiency = parameter bytes x decode steps/s / memory read bandwidth (measured here: numpy sum of a
+large array, best of 1 and --threads threads). Greedy agreement with transformers is printed as a sanity check
+(exact equality is tested in tests/test_sampling.py on well-separated tiny models; random init logits here are
+near-ties, so an occasional float divergence is expected, especially in bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def memory_read_bandwidth(threads: int, mib: int = 512) -> float:
+    """Bytes/s of a large-array sum (best of 1 thread and `threads` threads, best of 5)."""
+    a = np.ones(mib * 2 ** 20 // 8, np.float64)
+    a.sum()
+    best = 0.0
+    for n in sorted({1, threads}):
+        chunks = np.array_split(a, n)
+        with concurrent.futures.ThreadPoolExecutor(n) as ex:
+            for _ in range(5):
+                t = time.perf_counter()
+                list(ex.map(np.sum, chunks))
+                best = max(best, a.nbytes / (time.perf_counter() - t))
+    return best
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (and the bandwidth measurement)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="--batches 1,8 --new_tokens 32 --dtypes float32 --repeats 1")
+    p.add_argument("--no_hf", action="store_true", help="skip transformers")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--model_dir", help="benchmark this HF directory instead of the random reference model")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.new_tokens, args.dtypes, args.repeats = "1,8", 32, "float32", 1
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = args.dtypes.split(",")
+    N, T = args.new_tokens, args.prompt_len
+
+    import torch
+    import transformers
+    torch.set_num_threads(args.threads)
+    import jax
+    from nlac_jax import models, sampling
+
+    bw = memory_read_bandwidth(args.threads)
+    tmp = tempfile.TemporaryDirectory()
+    if args.model_dir:
+        model_dir = args.model_dir
+    else:
+        model_dir = tmp.name
+        torch.manual_seed(0)
+        hcfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                        num_hidden_layers=args.layers, num_attention_heads=12, num_key_value_heads=2,
+                                        max_position_embeddings=4096, tie_word_embeddings=False)
+        transformers.Qwen2ForCausalLM(hcfg).save_pretrained(model_dir)
+    hm32 = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hm32.generation_config.eos_token_id = None
+    hm32.generation_config.pad_token_id = 0
+
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {os.cpu_count()} cpus), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+    print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s; prompt {T} tokens, {N} new tokens, greedy, no early stop")
+    rows = []
+    for dtype in dtypes:
+        m = models.load_pretrained(model_dir, dtype=dtype, load_tokenizer=False)
+        cfg = m.config
+        pbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(m.params))
+        hm = hm32 if dtype == "float32" else hm32.to(getattr(torch, dtype))
+        sampler = sampling.Sampler(cfg)
+        for B in batches:
+            rng = np.random.RandomState(B)
+            prompts = rng.randint(0, cfg.vocab_size, (B, T)).tolist()
+            kw = dict(max_new_tokens=N, stop_token_ids=(), temperature=0.0)
+            t = time.perf_counter()
+            out = sampler.generate(m.params, prompts, **kw)
+            first = time.perf_counter() - t
+            ours = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                out = sampler.generate(m.params, prompts, **kw)
+                ours.append(time.perf_counter() - t)
+            assert (out.lengths == N).all()
+            # decode loop alone (prefill excluded): steps/s for the streaming efficiency
+            ids = np.asarray(prompts, np.int32)
+            _, Tb, Nb = sampler.buckets(B, T, N)
+            Bb = sampler.buckets(B, T, N)[0]
+            pid = np.zeros((Bb, Tb), np.int32)
+            pmask = np.zeros((Bb, Tb), np.int32)
+            pid[:B, Tb - T:], pmask[:B, Tb - T:], pmask[B:, -1] = ids, 1, 1
+            ctl = sampling._controls(0.0, 0, 1.0, N, cfg.max_position_embeddings)
+            dec = []
+            for _ in range(args.repeats):
+                st = sampler.prefill(m.params, pid, pmask, np.arange(Bb) < B, jax.random.key(0), ctl, new_bucket=Nb)
+                jax.block_until_ready(st)
+                t = time.perf_counter()
+                st = jax.block_until_ready(sampler.decode(m.params, st, ctl))
+                dec.append(time.perf_counter() - t)
+            steps_s = (N - 1) / min(dec)
+            hf_t, agree = None, None
+            if not args.no_hf:
+                ti = torch.tensor(prompts)
+                hf = []
+                for r in range(args.repeats + 1):
+                    t = time.perf_counter()
+                    with torch.no_grad():
+                        ref = hm.generate(input_ids=ti, attention_mask=torch.ones_like(ti), do_sample=False,
+                                          max_new_tokens=N, min_new_tokens=N, eos_token_id=None, pad_token_id=0)
+                    if r:
+                        hf.append(time.perf_counter() - t)
+                hf_t = min(hf)
+                agree = float((ref[:, T:].numpy() == out.tokens).mean())
+            row = dict(dtype=dtype, B=B, compile=first - min(ours), ours=B * N / min(ours),
+                       hf=None if hf_t is None else B * N / hf_t, steps=steps_s, agree=agree,
+                       eff=pbytes * steps_s / bw if B == 1 else None,
+                       hf_eff=(pbytes * N / hf_t / bw) if (B == 1 and hf_t) else None)
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    print("\n| dtype | batch | compile s | ours tok/s | transformers tok/s | speed-up | our decode steps/s | "
+          "stream eff. ours / hf | greedy agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_fmt(r, md=True))
+    return rows
+
+
+def _fmt(r, md=False):
+    f = lambda x, s: "-" if x is None else s.format(x)
+    cells = [r["dtype"], str(r["B"]), f(r["compile"], "{:.1f}"), f(r["ours"], "{:.1f}"), f(r["hf"], "{:.1f}"),
+             f(None if r["hf"] is None else r["ours"] / r["hf"], "{:.2f}x"), f(r["steps"], "{:.1f}"),
+             (f(r["eff"], "{:.0%}") + " / " + f(r["hf_eff"], "{:.0%}")) if r["eff"] is not None else "-",
+             f(r["agree"], "{:.0%}")]
+    return ("| " + " | ".join(cells) + " |") if md else "  ".join(cells)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

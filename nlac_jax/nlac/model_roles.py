@@ -1,0 +1,95 @@
+"""The trainer's RoleSampler: every NLAC role sampled by the in-process JAX sampler from θ or θ̄.
+
+One compiled `sampling.Sampler` serves every role and both parameter sets: parameters are arguments, so θ and θ̄
+(the trainer's live, sharded arrays) go through the same executables with no copy and no recompilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+
+from nlac_jax import text
+from nlac_jax.nlac.roles import PARAMS_NAMES, ParamsName
+
+
+@dataclasses.dataclass
+class RoleCounters:
+    """Per-role generation counters (texts, generated tokens, seconds, truncated prompts), reset per phase."""
+
+    texts: dict = dataclasses.field(default_factory=dict)
+    tokens: dict = dataclasses.field(default_factory=dict)
+    seconds: dict = dataclasses.field(default_factory=dict)
+    stop_reasons: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons) -> None:
+        self.texts[role] = self.texts.get(role, 0) + n_texts
+        self.tokens[role] = self.tokens.get(role, 0) + n_tokens
+        self.seconds[role] = self.seconds.get(role, 0.0) + seconds
+        for r in reasons:
+            key = f"{role}/{r}"
+            self.stop_reasons[key] = self.stop_reasons.get(key, 0) + 1
+
+    def as_dict(self, prefix: str = "gen/") -> dict:
+        out = {}
+        for role, n in self.tokens.items():
+            out[f"{prefix}{role}/tokens"] = n
+            out[f"{prefix}{role}/texts"] = self.texts[role]
+            out[f"{prefix}{role}/tokens_per_s"] = n / max(self.seconds[role], 1e-9)
+        for k, n in self.stop_reasons.items():
+            out[f"{prefix}{k}"] = n
+        return out
+
+
+class ModelRoleSampler:
+    """RoleSampler over `sampling.Sampler`.
+
+    get_params: 'policy' -> θ, 'target' -> θ̄ (called at every sample, so it always sees the current arrays).
+    temperatures / max_new_tokens: per role (missing roles use the 'policy' entry); top_p applies to all roles.
+    max_batch: prompts per sampler call (larger batches are split; each call's batch is bucketed to a power of 2).
+    seed: base seed; call i of the current phase uses seed (seed, phase_seed, i): reproducible across resumes.
+    """
+
+    def __init__(self, sampler, tokenizer, get_params: Callable[[str], object], temperatures: Mapping[str, float],
+                 max_new_tokens: Mapping[str, int], top_p: float = 1.0, max_batch: int = 64, seed: int = 0):
+        self.sampler, self.tokenizer, self.get_params = sampler, tokenizer, get_params
+        self.temperatures, self.max_new_tokens = dict(temperatures), dict(max_new_tokens)
+        self.top_p, self.max_batch, self.seed = float(top_p), int(max_batch), int(seed)
+        self.stop_ids = text.stop_token_ids(tokenizer)
+        self.counters = RoleCounters()
+        self._phase_seed, self._calls = 0, 0
+
+    def start_phase(self, phase_seed: int) -> None:
+        """Make the next samples a deterministic function of (seed, phase_seed, call index); reset counters."""
+        self._phase_seed, self._calls = int(phase_seed), 0
+        self.counters = RoleCounters()
+
+    def _setting(self, table: Mapping, role: str):
+        return table[role] if role in table else table["policy"]
+
+    def sample(self, messages_batch: list[list[dict]], params: ParamsName, role: str, n: int = 1,
+               temperature: float | None = None) -> list[str]:
+        """`n` completions per chat prompt, flat and prompt-major (`out[i*n + j]`)."""
+        if params not in PARAMS_NAMES:
+            raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
+        if not messages_batch:
+            return []
+        prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True)
+                   for m in messages_batch for _ in range(n)]
+        temp = self._setting(self.temperatures, role) if temperature is None else temperature
+        budget = int(self._setting(self.max_new_tokens, role))
+        weights = self.get_params(params)
+        out: list[str] = []
+        for start in range(0, len(prompts), self.max_batch):
+            chunk = prompts[start:start + self.max_batch]
+            seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
+            self._calls += 1
+            t0 = time.perf_counter()
+            res = self.sampler.generate(weights, chunk, max_new_tokens=budget, temperature=temp, top_p=self.top_p,
+                                        stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer)
+            self.counters.add(role, len(chunk), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason)
+            out.extend(res.texts)
+        return out

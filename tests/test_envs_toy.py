@@ -1,0 +1,138 @@
+"""Toy number-guessing env: binary search wins, turn limits, malformed actions, optimality hook."""
+
+import itertools
+
+import pytest
+
+from nlac_jax.envs.base import Task
+from nlac_jax.envs.toy import (GuessNumberEnv, GuessNumberTaskSource, _covered, binary_search_policy,
+                               binary_search_turns, parse_guess)
+
+
+def play(env, task, policy, max_steps=100):
+    msgs = list(env.reset(task))
+    rewards, infos = [], []
+    for _ in range(max_steps):
+        a = policy(msgs)
+        r = env.step(a)
+        msgs += [{'role': 'assistant', 'content': a}, {'role': 'user', 'content': r.observation}]
+        rewards.append(r.reward)
+        infos.append(r.info)
+        if r.done:
+            return msgs, rewards, infos
+    raise AssertionError('episode did not end')
+
+
+@pytest.mark.parametrize('n', [1, 2, 3, 7, 8, 10, 100, 1000])
+def test_binary_search_always_wins_within_log_turns(n):
+    turns = binary_search_turns(n)
+    assert turns == (n).bit_length()  # ceil(log2(n+1)) == bit_length(n)
+    env = GuessNumberEnv(n=n, max_turns=turns)
+    targets = range(1, n + 1) if n <= 100 else range(1, n + 1, 37)
+    worst = 0
+    for x in targets:
+        _, rewards, infos = play(env, Task(f't{x}', 'test', {'target': x, 'n': n}),
+                                 lambda m: binary_search_policy(m, n))
+        assert rewards[-1] == 1.0 and sum(rewards) == 1.0, (n, x, rewards)
+        assert infos[-1]['success']
+        worst = max(worst, len(rewards))
+    if n <= 100:
+        assert worst == turns  # the bound is tight: some target needs every turn
+
+
+def test_turn_limit_off_by_one():
+    n = 100
+    # One turn fewer than binary search needs: some target must be missed, and the episode ends exactly at the limit.
+    env = GuessNumberEnv(n=n, max_turns=binary_search_turns(n) - 1)
+    lost = 0
+    for x in range(1, n + 1):
+        _, rewards, infos = play(env, Task('t', 'test', {'target': x, 'n': n}), lambda m: binary_search_policy(m, n))
+        assert len(rewards) <= env.max_turns
+        if rewards[-1] == 0.0:
+            lost += 1
+            assert len(rewards) == env.max_turns and not infos[-1]['success']
+    assert lost == n - (2 ** env.max_turns - 1)  # exactly the values binary search cannot reach
+
+
+def test_exactly_at_limit_counts_as_win():
+    env = GuessNumberEnv(n=10, max_turns=3)
+    env.reset(Task('t', 'x', {'target': 7, 'n': 10}))
+    assert env.step('1').observation == 'higher'
+    assert env.step('2').observation == 'higher'
+    r = env.step('7')  # third (last) guess is right
+    assert r.done and r.reward == 1.0 and r.info['success']
+
+
+def test_malformed_actions_are_error_observations():
+    env = GuessNumberEnv(n=10, max_turns=5, max_action_chars=50)
+    env.reset(Task('t', 'x', {'target': 4, 'n': 10}))
+    for bad in ['', '   ', 'no idea', 'x' * 51]:
+        r = env.step(bad)
+        assert r.info['error'] is True and r.observation.startswith('Error') and r.reward == 0.0
+    r = env.step('I guess 4, or maybe 5')  # first integer wins
+    assert r.done and r.reward == 1.0 and not r.info['error']
+    assert env.step('4').info['error']  # stepping a finished game is an error, not an exception
+    assert parse_guess('between -3 and 9') == -3
+
+
+def test_errors_consume_turns():
+    env = GuessNumberEnv(n=10, max_turns=2)
+    env.reset(Task('t', 'x', {'target': 4, 'n': 10}))
+    assert not env.step('hmm').done
+    r = env.step('???')
+    assert r.done and r.reward == 0.0 and not r.info['success']
+
+
+def test_optimality_rule():
+    env = GuessNumberEnv(n=10, max_turns=4)  # 2^4 - 1 = 15 >= 10: guaranteed
+    env.reset(Task('t', 'x', {'target': 9, 'n': 10}))
+    hist = [{'role': 'system', 'content': ''}, {'role': 'user', 'content': ''}]
+    # r=4: both sides must be <= 7 -> guesses 3..8 are optimal
+    assert env.optimal_actions(hist) == set(range(3, 9))
+    assert env.is_action_optimal(hist, '5') and env.is_action_optimal(hist, 'guess 3')
+    assert not env.is_action_optimal(hist, '2') and not env.is_action_optimal(hist, '11')
+    assert not env.is_action_optimal(hist, 'no number')
+    # after guessing 5 (-> higher), interval [6, 10], r=3: sides <= 3 -> 7, 8, 9 optimal
+    hist2 = hist + [{'role': 'assistant', 'content': '5'}, {'role': 'user', 'content': 'higher'}]
+    assert env.optimal_actions(hist2) == {7, 8, 9}
+    assert not env.is_action_optimal(hist2, '5')  # outside the feasible interval
+    # a game already lost its guarantee: n=10 with 2 turns covers at most 3 values; optimal = cover 3
+    env2 = GuessNumberEnv(n=10, max_turns=2)
+    env2.reset(Task('t', 'x', {'target': 9, 'n': 10}))
+    assert env2.optimal_actions(hist) == set(range(2, 10))
+    # brute force: the rule equals "maximise guaranteed-findable values" for every state of small games
+    for n, r in itertools.product(range(1, 12), range(1, 5)):
+        best = min(n, 2 ** r - 1)
+        assert max(_covered(g, 1, n, r) for g in range(0, n + 2)) == best
+
+
+def test_optimal_play_is_optimal_under_rule():
+    n = 50
+    env = GuessNumberEnv(n=n)
+    for x in (1, 17, 50):
+        msgs = env.reset(Task('t', 'x', {'target': x, 'n': n}))
+        while True:
+            a = binary_search_policy(msgs, n)
+            assert env.is_action_optimal(msgs, a), (x, msgs)
+            r = env.step(a)
+            msgs = msgs + [{'role': 'assistant', 'content': a}, {'role': 'user', 'content': r.observation}]
+            if r.done:
+                assert r.reward == 1.0
+                break
+
+
+def test_default_turn_limit_follows_task_n():
+    env = GuessNumberEnv(n=100)
+    env.reset(Task('t', 'x', {'target': 3, 'n': 1000}))
+    assert env.max_turns == 10
+    env.reset(Task('t', 'x', {'target': 3, 'n': 7}))
+    assert env.max_turns == 3
+
+
+def test_task_source_splits_and_cursor():
+    src = GuessNumberTaskSource(n=20, test_every=5)
+    train, test = src.tasks('train'), src.tasks('test')
+    assert [t.payload['target'] for t in test] == [5, 10, 15, 20]
+    assert len(train) == 16 and not {t.id for t in train} & {t.id for t in test}
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        src.tasks('dev')

@@ -1,0 +1,337 @@
+"""KV-cache sampler: parity with transformers' greedy generate, cache correctness, sampling controls, stops,
+compile counting, sharding, overflow policy and the CLI."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from nlac_jax import models, sampling, sharding, tiny
+
+VOCAB = 512  # = the tiny tokenizer's vocabulary
+N_NEW = 32
+# 4 prompts of different lengths (one longer than the 16-token minimum bucket: prompt bucket 32)
+LENS = (5, 17, 1, 9)
+
+
+def make_hf(family: str, out_dir: str, seed: int = 0, std: float = 0.5, **overrides):
+    """Random tiny HF model saved to out_dir; large weights so the argmax is well separated (exact greedy parity)."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+    kw.update(overrides)
+    cls_cfg, cls_model = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    hm = cls_model(cls_cfg(**kw)).eval()
+    with torch.no_grad():
+        for name, p in hm.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    hm.save_pretrained(out_dir)
+    return hm
+
+
+def prompts(seed=0, lens=LENS):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, VOCAB - 3, n).tolist() for n in lens]
+
+
+def hf_greedy(hm, prompt_list, n_new):
+    T = max(map(len, prompt_list))
+    ids = np.zeros((len(prompt_list), T), np.int64)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompt_list):
+        ids[b, T - len(p):] = p
+        mask[b, T - len(p):] = 1
+    hm.generation_config.eos_token_id = None
+    hm.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = hm.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                          max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
+    return out[:, T:].numpy()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(HF torch model, our Model with the tiny tokenizer, model dir)."""
+    d = str(tmp_path_factory.mktemp("qwen"))
+    hm = make_hf("qwen2", d)
+    tiny.make_tiny_tokenizer(out_dir=d)
+    m = models.load_pretrained(d)
+    assert m.tokenizer is not None
+    return hm, m, d
+
+
+def greedy(m, ps=None, n=N_NEW, **kw):
+    return sampling.generate(m, prompts() if ps is None else ps, max_new_tokens=n, stop_token_ids=(), **kw)
+
+
+# ----------------------------------------------------------------------------------------------- parity / cache
+
+
+def test_greedy_matches_transformers_qwen2(qwen):
+    hm, m, _ = qwen
+    ref = hf_greedy(hm, prompts(), N_NEW)
+    out = greedy(m)
+    np.testing.assert_array_equal(out.tokens, ref)
+    assert out.stop_reason == ["length"] * 4 and (out.lengths == N_NEW).all()
+    # a partial batch (3 rows -> bucket 4, filler row dropped) gives the same rows
+    out3 = greedy(m, prompts()[:3])
+    np.testing.assert_array_equal(out3.tokens, ref[:3])
+
+
+def test_greedy_matches_transformers_llama(tmp_path):
+    hm = make_hf("llama", str(tmp_path), seed=1, tie_word_embeddings=True)
+    m = models.load_pretrained(str(tmp_path))
+    ps = prompts(seed=1, lens=(3, 12, 7))
+    np.testing.assert_array_equal(greedy(m, ps, n=33).tokens, hf_greedy(hm, ps, 33))
+
+
+def test_prefill_plus_decode_logits_equal_full_forward(qwen):
+    _, m, _ = qwen
+    cfg, params = m.config, m.params
+    ps = prompts(seed=2)
+    T, K = 17, 12
+    ids = np.zeros((4, T), np.int32)
+    mask = np.zeros((4, T), np.int32)
+    for b, p in enumerate(ps):
+        ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
+    pre = jax.jit(functools.partial(sampling.prefill_forward, cfg), static_argnames="cache_len")
+    step = jax.jit(functools.partial(sampling.decode_forward, cfg))
+    logits, cache = pre(params, ids, mask, cache_len=T + K)
+    plen = mask.sum(-1)
+    got, toks = [np.asarray(logits)], []
+    for c in range(K - 1):
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        toks.append(np.asarray(tok))
+        logits, cache = step(params, tok, jnp.asarray(plen + c), cache)
+        got.append(np.asarray(logits))
+    toks.append(np.asarray(jnp.argmax(logits, -1)))
+    full_ids = np.concatenate([ids, np.stack(toks, 1)], 1)
+    full_mask = np.concatenate([mask, np.ones((4, K), np.int32)], 1)
+    full = np.asarray(m.logits(full_ids, full_mask))
+    for c in range(K):
+        np.testing.assert_allclose(got[c], full[:, T - 1 + c], atol=2e-4, rtol=1e-4)
+    # the while-loop path returns the same tokens and their log-probs under the full forward
+    out = greedy(m, ps, n=K)
+    np.testing.assert_array_equal(out.tokens, full_ids[:, T:])
+    ref_lp = jax.nn.log_softmax(full[:, T - 1:-1], -1)
+    ref_lp = np.take_along_axis(np.asarray(ref_lp), full_ids[:, T:, None], -1)[..., 0]
+    np.testing.assert_allclose(out.logprobs, ref_lp, atol=2e-4)
+
+
+# ----------------------------------------------------------------------------------------------- sampling controls
+
+
+def test_top_p_top_k_filters_on_hand_made_distribution():
+    probs = np.array([0.05, 0.4, 0.1, 0.25, 0.2], np.float32)
+    logits = jnp.log(jnp.asarray(probs))[None]
+    for p, keep in [(0.0, {1}), (0.1, {1}), (0.5, {1, 3}), (0.7, {1, 3, 4}), (0.9, {1, 3, 4, 2}),
+                    (0.97, {0, 1, 2, 3, 4}), (1.0, {0, 1, 2, 3, 4})]:
+        got = set(np.flatnonzero(np.asarray(sampling.top_p_mask(logits, p))[0]).tolist())
+        assert got == keep, (p, got)
+    for k, keep in [(0, {0, 1, 2, 3, 4}), (1, {1}), (2, {1, 3}), (4, {1, 2, 3, 4}), (9, {0, 1, 2, 3, 4})]:
+        assert set(np.flatnonzero(np.asarray(sampling.top_k_mask(logits, k))[0]).tolist()) == keep, k
+    # ties at the edge are kept; negative and -inf logits are ordered correctly
+    tied = jnp.asarray([[2.0, -1.0, 2.0, -jnp.inf, -3.0]])
+    assert np.asarray(sampling.top_k_mask(tied, 1))[0].tolist() == [True, False, True, False, False]
+    assert np.asarray(sampling.top_k_mask(tied, 3))[0].tolist() == [True, True, True, False, False]
+    # against a sort-based reference on random rows
+    rng = np.random.RandomState(0)
+    x = rng.randn(6, 300).astype(np.float32) * 3
+    pr = np.exp(x - x.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    for p in (0.3, 0.77, 0.95):
+        order = np.argsort(-pr, -1)
+        csum = np.cumsum(np.take_along_axis(pr, order, -1), -1)
+        n_keep = (csum < p).sum(-1) + 1
+        ref = np.zeros_like(pr, bool)
+        for b in range(6):
+            ref[b, order[b, : n_keep[b]]] = True
+        np.testing.assert_array_equal(np.asarray(sampling.top_p_mask(jnp.asarray(x), p)), ref)
+    for k in (1, 7, 50):
+        ref = x >= np.sort(x, -1)[:, -k][:, None]
+        np.testing.assert_array_equal(np.asarray(sampling.top_k_mask(jnp.asarray(x), k)), ref)
+
+
+def test_sampling_reproducible_and_limits(qwen):
+    _, m, _ = qwen
+    g = greedy(m).tokens
+    a = greedy(m, temperature=1.0, top_p=0.95, seed=7)
+    b = greedy(m, temperature=1.0, top_p=0.95, seed=7)
+    c = greedy(m, temperature=1.0, top_p=0.95, seed=8)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (a.tokens != c.tokens).any() and (a.tokens != g).any()
+    np.testing.assert_array_equal(greedy(m, temperature=1e-5, seed=3).tokens, g)  # temperature -> 0
+    np.testing.assert_array_equal(greedy(m, temperature=1.0, top_k=1, seed=3).tokens, g)  # top-k = 1
+    np.testing.assert_array_equal(greedy(m, temperature=2.0, top_p=1e-6, seed=3).tokens, g)  # top-p -> 0
+    # a row's sample does not depend on the other rows (per-row keys)
+    np.testing.assert_array_equal(greedy(m, prompts()[:3], temperature=1.0, seed=7).tokens,
+                                  greedy(m, temperature=1.0, seed=7).tokens[:3])
+
+
+# ----------------------------------------------------------------------------------------------- stops
+
+
+def _first_stop(row, ids):
+    hits = [i for i, t in enumerate(row) if t in ids]
+    return hits[0] + 1 if hits else None
+
+
+def test_stop_tokens_end_rows_independently(qwen):
+    _, m, _ = qwen
+    g = greedy(m).tokens
+    stop = {int(g[0, 4]), int(g[2, 10])}
+    out = sampling.generate(m, prompts(), max_new_tokens=N_NEW, stop_token_ids=sorted(stop))
+    for b in range(4):
+        n = _first_stop(g[b].tolist(), stop)
+        if n is None:
+            assert out.stop_reason[b] == "length" and out.lengths[b] == N_NEW
+            np.testing.assert_array_equal(out.tokens[b], g[b])
+        else:
+            assert out.stop_reason[b] == "stop_token" and out.lengths[b] == n
+            np.testing.assert_array_equal(out.tokens[b, :n], g[b, :n])
+            assert (out.tokens[b, n:] == 0).all() and (out.logprobs[b, n:] == 0).all()
+            assert (out.logprobs[b, :n] < 0).all()
+            assert out.texts[b] == m.tokenizer.decode(g[b, : n - 1].tolist(), skip_special_tokens=True)
+    assert out.lengths[0] <= 5
+
+
+@pytest.mark.parametrize("device_check", [True, False], ids=["device", "host"])
+def test_stop_strings_end_rows_independently(qwen, monkeypatch, device_check):
+    _, m, _ = qwen
+    tok = m.tokenizer
+    if not device_check:  # a tokenizer we cannot table: the host-side check must give the same answer
+        monkeypatch.setattr(sampling, "token_bytes", lambda *a: None)
+    g = greedy(m).tokens
+    dec = lambda ids: tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    t0, t1 = dec(g[0, :8]), dec(g[1])
+    stops = [t0[-3:] if len(t0.strip()) >= 3 else t0, t1[len(t1) // 2: len(t1) // 2 + 2]]
+    assert all(stops), stops
+    out = sampling.generate(m, prompts(), max_new_tokens=N_NEW, stop_token_ids=(), stop_strings=stops)
+    for b in range(4):
+        full = g[b].tolist()
+        n = next((k for k in range(1, N_NEW + 1) if any(s in dec(full[:k]) for s in stops)), None)
+        if n is None:
+            assert out.stop_reason[b] == "length" and out.texts[b] == dec(full)
+        else:
+            assert out.stop_reason[b] == "stop_string", b
+            assert out.lengths[b] == n
+            np.testing.assert_array_equal(out.tokens[b, :n], g[b, :n])
+            assert (out.tokens[b, n:] == 0).all() and (out.logprobs[b, n:] == 0).all()
+            text = dec(full[:n])
+            assert out.texts[b] == text[: min(text.find(s) for s in stops if s in text)]
+    assert out.stop_reason[0] == "stop_string" and out.lengths[0] <= 8 and out.stop_reason[1] == "stop_string"
+
+
+def test_all_rows_stopped_exits_early(qwen):
+    _, m, _ = qwen
+    g = greedy(m).tokens
+    stop = sorted({int(g[b, 2]) for b in range(4)})
+    out = sampling.generate(m, prompts(), max_new_tokens=N_NEW, stop_token_ids=stop)
+    assert out.stop_reason == ["stop_token"] * 4
+    assert out.num_steps == out.lengths.max() <= 3
+
+
+def test_stop_string_table_matches_bytes():
+    tb = [b"a", b"b", b"ab", b"xab", b"", b"ba"]
+    table = sampling.stop_string_table(tb, ["ab", "bb"])
+
+    def run(ids):
+        s, hit = 0, []
+        for t in ids:
+            e = int(table[s, t])
+            s = e >> 1
+            hit.append(e & 1)
+        return hit
+
+    assert run([0, 1]) == [0, 1]  # "a" "b"
+    assert run([1, 4, 1]) == [0, 0, 1]  # "b" "" "b"
+    assert run([3]) == [1]  # "xab" inside one token
+    assert run([5, 0, 5]) == [0, 0, 1]  # "ba" "a" "ba": "baaba" has "ab" at the end
+    assert run([0, 0, 4, 0]) == [0, 0, 0, 0]
+
+
+# ----------------------------------------------------------------------------------------------- compilation
+
+
+def test_no_recompilation_with_new_params_or_controls(qwen):
+    _, m, _ = qwen
+    s = sampling.get_sampler(m.config)  # the Sampler `generate` uses (compiled by earlier tests when run together)
+    p2 = jax.tree.map(lambda a: a * 1.01, m.params)
+    ps = prompts()
+    a = s.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=())
+    counts, sizes = dict(sampling.TRACE_COUNTS), s.cache_sizes()
+    b = s.generate(p2, ps, max_new_tokens=N_NEW, stop_token_ids=())
+    s.generate(m.params, ps, max_new_tokens=N_NEW - 5, stop_token_ids=(3, 4), temperature=0.7, top_p=0.9, top_k=20,
+               seed=5)
+    # other prompts in the same buckets (batch 3 -> 4, longest 20 -> 32)
+    s.generate(p2, prompts(seed=9, lens=(2, 20, 4)), max_new_tokens=N_NEW, stop_token_ids=(), temperature=1.3)
+    assert dict(sampling.TRACE_COUNTS) == counts and s.cache_sizes() == sizes
+    assert (a.tokens != b.tokens).any()
+
+
+# ----------------------------------------------------------------------------------------------- sharding
+
+
+def test_sharded_greedy_matches_single_device(qwen):
+    _, m, _ = qwen
+    ref = greedy(m, mesh=sharding.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])).tokens
+    np.testing.assert_array_equal(ref, greedy(m).tokens)
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=4)
+    params = jax.device_put(m.params, models.param_shardings(m.config, mesh))
+    out = sampling.generate((m.config, params), prompts(), max_new_tokens=N_NEW, stop_token_ids=(), mesh=mesh)
+    np.testing.assert_array_equal(out.tokens, ref)
+    # the cache really is laid out on the mesh: batch over data
+    s = sampling.get_sampler(m.config, mesh)
+    assert s.data_parallel == 2
+
+
+# ----------------------------------------------------------------------------------------------- overflow / errors
+
+
+def test_context_overflow_policies(qwen):
+    _, m, _ = qwen
+    ps = prompts()  # longest 17
+    with pytest.raises(ValueError, match=r"prompt 1 has 17 tokens.*max_new_tokens=20.*37 > the model context of 30"):
+        greedy(m, ps, n=20, overflow="error", max_context=30)
+    out = greedy(m, ps, n=20, overflow="truncate_left", max_context=30)
+    assert out.prompt_tokens_dropped.tolist() == [0, 7, 0, 0] and out.prompt_lengths.tolist() == [5, 10, 1, 9]
+    ref = greedy(m, [ps[0], ps[1][7:], ps[2], ps[3]], n=20)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    out = greedy(m, ps, n=20, overflow="stop", max_context=22)
+    np.testing.assert_array_equal(out.lengths, [min(20, 22 - n) for n in LENS])
+    assert [r for r in out.stop_reason] == ["length" if n + 20 <= 22 else "context_full" for n in LENS]
+    with pytest.raises(ValueError, match="fills the model context"):
+        greedy(m, ps, n=4, overflow="stop", max_context=17)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        sampling.generate((m.config, m.params), ["hello"])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        greedy(m, [[VOCAB + 5]])
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_writes_ids_and_text(qwen, tmp_path):
+    _, m, d = qwen
+    from nlac_jax import generate as cli
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("Is it a dog?\nHello there\n")
+    out_json = tmp_path / "out.json"
+    recs = cli.main(["--model_dir", d, "--prompt_file", str(pf), "--chat", "--max_new_tokens", "6",
+                     "--temperature", "0", "--output_json", str(out_json)])
+    saved = json.loads(out_json.read_text())
+    assert saved == json.loads(json.dumps(recs)) and len(saved) == 2
+    ref = sampling.generate(m, [r["prompt_ids"] for r in saved], max_new_tokens=6)
+    for b, r in enumerate(saved):
+        assert m.tokenizer.decode(r["prompt_ids"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert r["ids"] == ref.token_lists()[b] and r["text"] == ref.texts[b]

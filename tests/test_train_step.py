@@ -1,0 +1,277 @@
+"""The sharded NLAC train step (training/): losses by hand, mesh invariance, accumulation, EMA, non-finite skips.
+
+Compiled steps are cached per (mesh, options) for the whole module: every test reuses the same batch shape.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nlac_jax import models, sharding, training
+from nlac_jax.training import loss as loss_lib
+
+CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+B, T = 16, 16
+MESHES = {"1dev": (1, 1, 1), "dp2_fsdp2_tp2": (2, 2, 2), "dp8": (8, 1, 1)}
+# loss_chunk differs per mesh on purpose: chunked (4: exact divisor; 5: padded) and unchunked logits must agree too
+CHUNKS = {"1dev": 0, "dp2_fsdp2_tp2": 5, "dp8": 4}
+
+
+def make_batch(seed=0, num_dummy=2):
+    """Right-padded mixed batch per the token-batch contract: random prompt/target lengths, weights, dummy rows."""
+    r = np.random.RandomState(seed)
+    ids = np.zeros((B, T), np.int32)
+    am = np.zeros((B, T), np.int32)
+    lm = np.zeros((B, T), np.float32)
+    kind = np.zeros(B, np.int32)
+    weight = np.zeros(B, np.float32)
+    for b in range(B - num_dummy):
+        p = r.randint(1, 8)
+        t = r.randint(1, T - p + 1)
+        ids[b, :p + t] = r.randint(1, CFG.vocab_size, p + t)
+        am[b, :p + t] = 1
+        lm[b, p:p + t] = 1
+        kind[b] = r.randint(0, 2)
+        weight[b] = r.choice([0.5, 1.0, 2.0])
+    pos = (np.maximum(np.cumsum(am, 1) - 1, 0) * am).astype(np.int32)
+    return dict(input_ids=ids, attention_mask=am, positions=pos, loss_mask=lm, kind=kind, weight=weight)
+
+
+def optimizer():
+    # eps=1e-3: Adam's first update lr·g/(|g|+eps) stays informative about g (not just its sign)
+    return training.make_optimizer(training.make_schedule(1e-2), b1=0.9, b2=0.95, eps=1e-3, weight_decay=0.1,
+                                   clip_norm=1.0)
+
+
+@functools.cache
+def mesh(name):
+    shape = MESHES[name]
+    return sharding.make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+
+
+@functools.cache
+def init_params():
+    return jax.device_get(models.init_params(CFG, seed=0))
+
+
+@functools.cache
+def train_step(mesh_name, num_microbatches=1, cfg=CFG):
+    return training.make_train_step(cfg, mesh(mesh_name), optimizer(), num_microbatches=num_microbatches,
+                                    loss_chunk=CHUNKS[mesh_name], ema_decay=0.99)
+
+
+@functools.cache
+def grad_fn(mesh_name, normalisation="token"):
+    return training.make_grad_fn(CFG, mesh(mesh_name), normalisation=normalisation, loss_chunk=CHUNKS[mesh_name])
+
+
+def fresh_state(mesh_name, cfg=CFG):
+    return training.create_train_state(cfg, mesh(mesh_name), optimizer(), params=init_params())
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- reference (NumPy)
+def reference_losses(params, batch, normalisation):
+    logits = np.asarray(models.forward(CFG, params, jnp.asarray(batch["input_ids"]),
+                                       jnp.asarray(batch["attention_mask"]), jnp.asarray(batch["positions"])),
+                        np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    out = {}
+    for k, name in ((0, "l1"), (1, "l2")):
+        tot, ntok, per_ex = 0.0, 0, []
+        for b in range(B):
+            if batch["kind"][b] != k:
+                continue
+            ts = [t for t in range(1, T) if batch["loss_mask"][b, t] == 1]
+            if not ts:
+                continue
+            nll = [-logp[b, t - 1, batch["input_ids"][b, t]] for t in ts]
+            tot += batch["weight"][b] * sum(nll)
+            ntok += len(ts)
+            per_ex.append(batch["weight"][b] * np.mean(nll))
+        out[name] = tot / ntok if normalisation == "token" else float(np.mean(per_ex))
+        out[f"{'critic' if k == 0 else 'policy'}_tokens"] = ntok
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+def test_losses_match_hand_computed_nll_token_normalisation():
+    batch = make_batch(0)
+    ref = reference_losses(init_params(), batch, "token")
+    _, m = train_step("1dev")(fresh_state("1dev"), batch)
+    np.testing.assert_allclose(float(m["l1"]), ref["l1"], rtol=1e-5)
+    np.testing.assert_allclose(float(m["l2"]), ref["l2"], rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), ref["l1"] + ref["l2"], rtol=1e-5)  # critic/policy weight 1
+    assert float(m["critic_tokens"]) == ref["critic_tokens"] and float(m["policy_tokens"]) == ref["policy_tokens"]
+    assert float(m["num_tokens"]) == batch["attention_mask"].sum()
+    assert float(m["skipped"]) == 0 and float(m["learning_rate"]) == pytest.approx(1e-2)
+
+
+def test_losses_match_hand_computed_nll_sequence_normalisation():
+    batch = make_batch(1)
+    ref = reference_losses(init_params(), batch, "sequence")
+    loss, _, info = grad_fn("1dev", "sequence")(init_params(), batch)
+    np.testing.assert_allclose(float(info["l1"]), ref["l1"], rtol=1e-5)
+    np.testing.assert_allclose(float(info["l2"]), ref["l2"], rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref["l1"] + ref["l2"], rtol=1e-5)
+
+
+def test_padding_and_non_target_positions_contribute_nothing():
+    batch = make_batch(2)
+    _, m0 = train_step("1dev")(fresh_state("1dev"), batch)
+    # 1) padding tokens (attention_mask 0, right of every real token): change them -> identical losses
+    pert = {k: v.copy() for k, v in batch.items()}
+    r = np.random.RandomState(7)
+    pad = pert["attention_mask"] == 0
+    pert["input_ids"][pad] = r.randint(1, CFG.vocab_size, pad.sum())
+    pert["positions"][pad] = r.randint(0, T, pad.sum())
+    _, m1 = train_step("1dev")(fresh_state("1dev"), pert)
+    for k in ("l1", "l2", "loss", "grad_norm"):
+        assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-6, abs=1e-7), k
+    # 2) the reduction only reads target positions: garbage NLL (NaN / huge) and different labels elsewhere
+    #    change nothing. (Prompt tokens cannot be perturbed at the model level: targets condition on them.)
+    coef, _ = loss_lib.loss_coefficients(jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["kind"]),
+                                         jnp.asarray(batch["weight"]), "token")
+    nll = jnp.asarray(r.rand(B, T), jnp.float32)
+    garbage = jnp.where(coef.sum(0) != 0, nll, jnp.where(jnp.asarray(r.rand(B, T) < 0.5), jnp.nan, 1e9))
+    np.testing.assert_array_equal(loss_lib.weighted_losses(nll, coef), loss_lib.weighted_losses(garbage, coef))
+    # 3) loss_mask positions are exactly the shifted targets; positions with loss_mask 0 get coefficient 0
+    _, tmask = loss_lib.shift_targets(jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"]))
+    assert np.all((np.asarray(coef).sum(0) != 0) <= (np.asarray(tmask) == 1))
+
+
+def test_chunked_logits_equal_full_logits():
+    r = np.random.RandomState(3)
+    params = init_params()
+    hidden = jnp.asarray(r.randn(2, 13, CFG.hidden_size), jnp.float32)
+    labels = jnp.asarray(r.randint(0, CFG.vocab_size, (2, 13)), jnp.int32)
+    f = jax.jit(lambda h, c: loss_lib.token_nll(h, params, labels, tied=False, dtype=jnp.float32, chunk=c),
+                static_argnums=1)
+    full = f(hidden, 0)
+    for c in (4, 5, 13):
+        np.testing.assert_allclose(f(hidden, c), full, rtol=1e-6, atol=1e-6)
+    g = jax.jit(jax.grad(lambda h, c: loss_lib.token_nll(h, params, labels, tied=False, dtype=jnp.float32,
+                                                         chunk=c).sum()), static_argnums=1)
+    np.testing.assert_allclose(g(hidden, 4), g(hidden, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_same_loss_grads_and_update_on_every_mesh():
+    batch = make_batch(3)
+    results = {}
+    for name in MESHES:
+        loss, grads, info = grad_fn(name)(init_params(), batch)
+        new_state, m = train_step(name)(fresh_state(name), batch)
+        results[name] = (float(loss), host(grads), host(new_state.params), host(new_state.target_params),
+                         float(m["grad_norm"]))
+    ref = results["1dev"]
+    for name, (loss, grads, params, target, gn) in results.items():
+        assert loss == pytest.approx(ref[0], rel=1e-6), name
+        assert gn == pytest.approx(ref[4], rel=1e-5), name
+        assert_trees_close(grads, ref[1], rtol=1e-5, atol=1e-7)
+        assert_trees_close(params, ref[2], rtol=1e-6, atol=1e-6)
+        assert_trees_close(target, ref[3], rtol=1e-6, atol=1e-6)
+    # the update did something, and the 8-device state really is sharded
+    assert not np.allclose(ref[2]["layers"]["mlp"]["up_proj"]["kernel"], init_params()["layers"]["mlp"]["up_proj"]["kernel"])
+    spec = fresh_state("dp2_fsdp2_tp2").params["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec
+    assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    batch = make_batch(4, num_dummy=3)  # unequal target lengths, mixed kinds; micro-batches differ in counts
+    one_state, one = train_step("dp2_fsdp2_tp2", 1)(fresh_state("dp2_fsdp2_tp2"), batch)
+    acc_state, acc = train_step("dp2_fsdp2_tp2", 4)(fresh_state("dp2_fsdp2_tp2"), batch)
+    for k in ("loss", "l1", "l2", "grad_norm", "critic_tokens", "policy_tokens"):
+        assert float(acc[k]) == pytest.approx(float(one[k]), rel=1e-5), k
+    assert_trees_close(host(acc_state.params), host(one_state.params), rtol=1e-6, atol=1e-6)
+    assert_trees_close(host(acc_state.opt_state), host(one_state.opt_state), rtol=1e-5, atol=1e-9)
+
+
+def test_ema_target_closed_form_and_no_gradient_into_target():
+    tau, n = 0.99, 3
+    state = fresh_state("1dev")
+    theta0 = host(state.params)
+    thetas = []
+    for i in range(n):
+        state, m = train_step("1dev")(state, make_batch(10 + i))
+        thetas.append(host(state.params))
+    expected = jax.tree.map(
+        lambda t0, *ts: tau ** n * t0.astype(np.float64)
+        + (1 - tau) * sum(tau ** (n - 1 - i) * t.astype(np.float64) for i, t in enumerate(ts)), theta0, *thetas)
+    assert_trees_close(host(state.target_params), expected, rtol=1e-6, atol=1e-7)
+    assert int(state.step) == n
+    # θ̄ is not an input of the differentiated function: the gradient tree is exactly θ's
+    _, grads, _ = grad_fn("1dev")(init_params(), make_batch(0))
+    assert jax.tree.structure(grads) == jax.tree.structure(init_params())
+
+
+def test_non_finite_update_is_skipped_counted_and_guarded():
+    step = train_step("1dev")
+    state = fresh_state("1dev")
+    state, _ = step(state, make_batch(5))
+    before = host(state)
+    bad = make_batch(5)
+    bad["weight"][0] = np.nan  # a NaN weight poisons the loss and every gradient
+    state, m = step(state, bad)
+    after = host(state)
+    assert float(m["skipped"]) == 1 and not np.isfinite(float(m["loss"]))
+    for field in ("params", "opt_state", "target_params"):
+        for x, y in zip(jax.tree.leaves(getattr(after, field)), jax.tree.leaves(getattr(before, field))):
+            np.testing.assert_array_equal(x, y)
+    assert int(after.step) == int(before.step) + 1 and int(after.skipped) == 1 and int(after.consecutive_skips) == 1
+    state, m = step(state, bad)
+    assert int(m["consecutive_skips"]) == 2 and int(m["skipped_total"]) == 2
+    with pytest.raises(training.NonFiniteError, match="2 consecutive train steps"):
+        training.check_finite(m, max_consecutive_skips=2)
+    training.check_finite(m, max_consecutive_skips=3)
+    # a good step applies again and resets the consecutive counter
+    state, m = step(state, make_batch(6))
+    assert float(m["skipped"]) == 0 and int(m["consecutive_skips"]) == 0 and int(m["skipped_total"]) == 2
+    assert not np.allclose(host(state.params)["final_norm"]["scale"], after.params["final_norm"]["scale"])
+
+
+def test_bfloat16_compute_with_float32_master_weights_and_remat():
+    cfg16 = CFG.replace(dtype="bfloat16", remat="full")
+    batch = make_batch(0)
+    state, m = train_step("dp8", 1, cfg16)(fresh_state("dp8", cfg16), batch)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.target_params))
+    ref = reference_losses(init_params(), batch, "token")
+    assert float(m["l1"]) == pytest.approx(ref["l1"], rel=2e-2)
+    assert float(m["l2"]) == pytest.approx(ref["l2"], rel=2e-2)
+
+
+def test_schedule_and_weight_decay_mask():
+    s = training.make_schedule(1.0, warmup_steps=4, decay="cosine", total_steps=14, end_lr_ratio=0.1)
+    np.testing.assert_allclose([float(s(c)) for c in (0, 3, 4, 9, 14, 100)],
+                               [0.25, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
+    c = training.make_schedule(2.0)
+    assert float(c(0)) == float(c(10 ** 6)) == 2.0
+    mask = training.decay_mask(init_params())
+    assert mask["layers"]["attn"]["q_proj"]["kernel"] and mask["embed"]["embedding"] and mask["lm_head"]
+    assert not mask["layers"]["attn"]["q_proj"]["bias"] and not mask["final_norm"]["scale"]
+    assert not mask["layers"]["input_norm"]["scale"]
+
+
+def test_batch_validation():
+    step = train_step("dp8")
+    bad = make_batch(0)
+    bad = {k: v[:12] for k, v in bad.items()}
+    with pytest.raises(ValueError, match="data-parallel size 8"):
+        step.prepare_batch(bad)
+    with pytest.raises(KeyError, match="kind"):
+        step.prepare_batch({k: v for k, v in make_batch(0).items() if k != "kind"})
