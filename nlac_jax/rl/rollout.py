@@ -1,0 +1,99 @@
+"""Rollouts with the current policy θ, and the held-out evaluation with NLAC's two critic diagnostics.
+
+Calibration: the successor model's predicted outcome/return for (s_t, a_t), parsed from its summary's final
+line, against the return the episode actually reached from t on. Verdict accuracy: where the environment knows
+which actions are optimal (`Env.is_action_optimal`), how often the evaluator's verdict agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from nlac_jax.envs.base import BatchedRunner, Episode, episode_metrics
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.nlac.roles import RoleSampler
+from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
+from nlac_jax.rl.transitions import Transition, transitions_from_episode
+
+
+def make_policy_fn(sampler: RoleSampler, prompts: PromptSet, params: str = "policy",
+                   temperature: float | None = None) -> Callable[[list], list]:
+    """BatchedRunner policy: histories -> actions, one batched sampler call per turn (role 'policy')."""
+    def policy_fn(histories: list) -> list:
+        batch = [prompts.policy(h) for h in histories]
+        if temperature is None:
+            texts = sampler.sample(batch, params, "policy")
+        else:
+            texts = sampler.sample(batch, params, "policy", temperature=temperature)
+        return [clean_action(t) for t in texts]
+    return policy_fn
+
+
+def collect(envs: Sequence, tasks: Sequence, policy_fn: Callable, task_name: str | None = None,
+            max_turns: int | None = None) -> tuple[list[Episode], list[Transition]]:
+    """Play `tasks` with `policy_fn` over the env pool; returns (episodes, their one-step transitions)."""
+    episodes = BatchedRunner(envs, policy_fn, max_turns=max_turns).run(tasks)
+    transitions = [t for ep in episodes for t in transitions_from_episode(ep, task=task_name)]
+    return episodes, transitions
+
+
+def _returns_to_go(ep: Episode) -> list[float]:
+    rewards = [float(t.reward) for t in ep.transitions]
+    return [float(sum(rewards[i:])) for i in range(len(rewards))]
+
+
+def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
+                       max_transitions: int = 16, params: str = "policy") -> dict:
+    """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes.
+
+    judge_env: an env instance whose `is_action_optimal(state, action)` gives ground truth (None = unknown).
+    Returns metrics under 'calib/' and 'verdict/' (NaN where nothing could be measured).
+    """
+    items = []  # (state, action, return-to-go, episode success)
+    for ep in episodes:
+        for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
+            items.append((t.state_messages, t.action, rtg, bool(ep.success)))
+    items = items[:max_transitions]
+    out = {"calib/n": len(items)}
+    if not items:
+        return out
+    futures = sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor")
+    parsed = [parse_outcome(f) for f in futures]
+    ok_ret = [(r, rtg) for (_, r), (_, _, rtg, _) in zip(parsed, items) if r is not None]
+    ok_succ = [(s, succ) for (s, _), (_, _, _, succ) in zip(parsed, items) if s is not None]
+    out["calib/parse_rate"] = sum(p[1] is not None or p[0] is not None for p in parsed) / len(items)
+    out["calib/return_mae"] = float(np.mean([abs(r - rtg) for r, rtg in ok_ret])) if ok_ret else math.nan
+    out["calib/predicted_return"] = float(np.mean([r for r, _ in ok_ret])) if ok_ret else math.nan
+    out["calib/actual_return_to_go"] = float(np.mean([rtg for _, _, rtg, _ in items]))
+    out["calib/success_accuracy"] = float(np.mean([s == succ for s, succ in ok_succ])) if ok_succ else math.nan
+    out["calib/predicted_success"] = float(np.mean([s for s, _ in ok_succ])) if ok_succ else math.nan
+
+    truth = [judge_env.is_action_optimal(s, a) if judge_env is not None else None for s, a, _, _ in items]
+    known = [i for i, t in enumerate(truth) if t is not None]
+    out["verdict/n"] = len(known)
+    if known:
+        critiques = sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known],
+                                   params, "evaluator")
+        verdicts = [parse_verdict(c) for c in critiques]
+        scored = [(v, truth[i]) for v, i in zip(verdicts, known) if v is not None]
+        out["verdict/parse_rate"] = len(scored) / len(known)
+        out["verdict/accuracy"] = float(np.mean([v == t for v, t in scored])) if scored else math.nan
+        out["verdict/predicted_optimal"] = float(np.mean([v for v, _ in scored])) if scored else math.nan
+        out["verdict/truly_optimal"] = float(np.mean([truth[i] for i in known]))
+    return out
+
+
+def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
+             params: str = "policy", temperature: float = 0.0, calibration_transitions: int = 16,
+             max_turns: int | None = None) -> tuple[dict, list[Episode]]:
+    """Held-out episodes (greedy by default) + critic diagnostics. Returns (metrics under 'eval/', episodes)."""
+    policy_fn = make_policy_fn(sampler, prompts, params, temperature=temperature)
+    episodes, _ = collect(envs, tasks, policy_fn, max_turns=max_turns)
+    m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
+    if calibration_transitions > 0:
+        m.update({f"eval/{k}": v for k, v in critic_diagnostics(
+            episodes, sampler, prompts, judge_env, calibration_transitions, params).items()})
+    return m, episodes
