@@ -19,8 +19,10 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml requirements-env
 
 install: $(STAMP)
 
+DEMO_DIR ?= runs/demo_cpu
 demo: $(STAMP)
-	$(PY) -m nlac_jax.demo
+	rm -rf $(DEMO_DIR)
+	$(PY) -m nlac_jax.train --gin_file=gin/runs/demo_cpu.gin --workdir=$(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15

@@ -8,7 +8,6 @@ evaluation of the gin-configured task: success rate, mean return, episode length
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -21,7 +20,7 @@ def main(argv=None) -> int:
         p.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (workdir/checkpoints)")
         p.add_argument("--params", choices=("policy", "target"), default="policy", help="θ (policy) or θ̄ (target)")
     flags = train.parse_flags(argv, prog="python -m nlac_jax.evaluate", extra=extra)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    train.setup_logging()
     if not os.path.isdir(flags.checkpoint):
         raise SystemExit(f"--checkpoint {flags.checkpoint}: no such directory")
     train.load_gin(flags.gin_file, flags.gin_param)

@@ -44,9 +44,16 @@ def load_gin(files, params) -> None:
         loop.LoopConfig()
         envs.make_env_factory()
         envs.make_task_source()
+        loop.build_model()  # config.json + tokenizer only (weights load later, straight into their shardings)
     except Exception as e:  # noqa: BLE001  gin raises ValueError/KeyError/TypeError/ParseError/... with good text
         msg = " ".join(str(e).split())
         raise GinConfigError(f"gin configuration error ({type(e).__name__}): {msg}") from None
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src", "matplotlib"):  # orbax logs every file it writes at INFO through absl
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def default_workdir(gin_files) -> str:
@@ -55,7 +62,7 @@ def default_workdir(gin_files) -> str:
 
 def main(argv=None) -> int:
     flags = parse_flags(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     if not flags.gin_file:
         raise SystemExit("--gin_file is required (e.g. --gin_file=gin/runs/demo_cpu.gin)")
     load_gin(flags.gin_file, flags.gin_param)

@@ -1,0 +1,151 @@
+"""The NLAC loop end to end: one iteration on 8 simulated devices, kill + resume == uninterrupted, gin errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import gin
+import numpy as np
+import pytest
+
+from nlac_jax import train
+from nlac_jax.models import hf_io
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "N = 8",
+    "LoopConfig.episodes_per_iteration = 4",
+    "LoopConfig.env_pool = 4",
+    "LoopConfig.critic_examples = 4",
+    "LoopConfig.policy_examples = 4",
+    "LoopConfig.batch_size = 8",
+    "LoopConfig.train_steps = 2",
+    "LoopConfig.eval_episodes = 2",
+    "LoopConfig.calibration_transitions = 2",
+    "LoopConfig.max_len = 512",
+    "nlac.TargetConfig.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
+]
+
+REQUIRED_METRICS = [
+    "iteration", "collect/success_rate", "collect/mean_return", "collect/mean_length", "collect/errors_per_episode",
+    "buffer/size", "nlac/frac_optimal", "nlac/verdict_unparsable", "nlac/critic_examples", "nlac/policy_examples",
+    "nlac/sampler_calls/backup", "nlac/sampler_calls/refiner", "train/l1", "train/l2", "train/loss",
+    "train/critic_tokens", "train/policy_tokens", "train/grad_norm", "train/learning_rate", "train/tokens_per_s",
+    "train/step", "eval/success_rate", "eval/mean_return", "eval/mean_length", "eval/calib/parse_rate",
+    "eval/calib/return_mae", "eval/calib/actual_return_to_go", "eval/verdict/n", "eval/verdict/accuracy",
+    "time/collect", "time/targets", "time/train", "time/eval",
+    "collect/gen/policy/tokens_per_s", "targets/gen/successor/tokens_per_s",
+]
+
+
+def _cmd(workdir, iterations, extra=()):
+    params = TINY + [f"LoopConfig.iterations = {iterations}", "LoopConfig.export_hf = True", *extra]
+    return [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/demo_cpu.gin", f"--workdir={workdir}"] + \
+        [f"--gin_param={p}" for p in params]
+
+
+def _env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_one_iteration_end_to_end_8_devices(tmp_path):
+    wd = str(tmp_path / "run")
+    res = subprocess.run(_cmd(wd, 1, ["make_mesh.data = 2", "make_mesh.fsdp = 2", "make_mesh.tensor = 2"]),
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _metrics(wd)
+    assert len(rows) == 1
+    missing = [k for k in REQUIRED_METRICS if k not in rows[0]]
+    assert not missing, f"metrics.jsonl lacks {missing}"
+    r = rows[0]
+    assert r["train/step"] == 2 and r["train/critic_tokens"] > 0 and r["train/policy_tokens"] > 0
+    assert np.isfinite(r["train/l1"]) and np.isfinite(r["train/l2"])
+    assert r["buffer/size"] >= 4 and r["eval/num_episodes"] == 1  # N=8 with test_every=5: one test task
+    assert r["eval/verdict/n"] >= 1  # the toy task knows optimal actions
+    dump = open(os.path.join(wd, "examples", "iter_0001.txt")).read()
+    for part in ("critic example 0", "policy example 0", "CRITIQUE", "TARGET"):
+        assert part in dump, part
+    assert os.path.isfile(os.path.join(wd, "learning_curves.png"))
+    assert os.path.isfile(os.path.join(wd, "hf_export", "model.safetensors"))
+    assert "L1 critic" in res.stdout  # the printed summary table
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    res = subprocess.run(_cmd(full, 2), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    # a real kill (SIGKILL) in the middle of iteration 2, after iteration 1's checkpoint is on disk
+    proc = subprocess.Popen(_cmd(killed, 2), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt1 = os.path.join(killed, "checkpoints", "1")
+    deadline = time.time() + 600
+    while not os.path.isdir(ckpt1) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert os.path.isdir(ckpt1), "the run never wrote its first checkpoint"
+    time.sleep(2.0)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not os.path.isdir(os.path.join(killed, "hf_export"))
+
+    res = subprocess.run(_cmd(killed, 2), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr
+
+    a = hf_io.SafetensorsFile(os.path.join(full, "hf_export", "model.safetensors"))
+    b = hf_io.SafetensorsFile(os.path.join(killed, "hf_export", "model.safetensors"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
+    ma, mb = _metrics(full), _metrics(killed)
+    assert [m["iteration"] for m in mb] == [1, 2]
+    for x, y in zip(ma, mb):
+        for k in x:
+            if k.startswith("time/") or k.endswith("tokens_per_s"):
+                continue
+            assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
+
+
+def test_gin_typo_fails_fast_with_clear_message():
+    t0 = time.time()
+    with pytest.raises(train.GinConfigError) as e:
+        train.load_gin(["gin/runs/demo_cpu.gin"], ["LoopConfig.iteratons = 3"])
+    msg = str(e.value)
+    assert "iteratons" in msg and "\n" not in msg
+    assert time.time() - t0 < 30
+    gin.clear_config()
+
+
+def test_gin_missing_required_binding_and_malformed_file(tmp_path):
+    with pytest.raises(train.GinConfigError) as e:
+        train.load_gin(["gin/runs/qwen2_5_7b_twenty_questions.gin"], [])
+    assert "MODEL_DIR" in str(e.value) or "model_dir" in str(e.value)
+    gin.clear_config()
+    bad = tmp_path / "bad.gin"
+    bad.write_text("LoopConfig.iterations = = 3\n")
+    with pytest.raises(train.GinConfigError) as e:
+        train.load_gin([str(bad)], [])
+    assert "bad.gin" in str(e.value)
+    gin.clear_config()
+
+
+def test_cli_gin_typo_exits_nonzero_before_compiling(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/demo_cpu.gin",
+                          f"--workdir={tmp_path}", "--gin_param=LoopConfig.num_iterations = 3"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "num_iterations" in res.stderr and "gin configuration error" in res.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
