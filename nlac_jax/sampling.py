@@ -139,15 +139,45 @@ def top_p_mask(logits: Array, p) -> Array:
     return (keys >= cut[:, None]) | (p >= 1.0)
 
 
-def filter_logits(logits: Array, temperature, top_k, top_p) -> Array:
+def _candidate_filter(x: Array, top_k, top_p, num_candidates: int) -> tuple[Array, Array]:
+    """Fast exact top-k/top-p from the `num_candidates` largest logits (lax.top_k: a partial selection, no sort of V).
+
+    Returns (filtered x, ok): ok is False when some row's answer may lie beyond the candidates (top_k > C, or the
+    candidates' mass does not reach top_p), and the caller then uses the bisection. When ok, the kept sets equal the
+    bisection's: cut-offs are candidate values and every token >= the cut-off (ties included) is kept.
+    """
+    C = min(num_candidates, x.shape[-1])
+    vals = lax.top_k(x, C)[0]  # [B, C] descending
+    use_k, use_p = top_k > 0, top_p < 1.0
+    kcut = jnp.where(use_k, jnp.take(vals, jnp.clip(top_k - 1, 0, C - 1), axis=-1), -jnp.inf)  # [B]
+    lse = jax.nn.logsumexp(jnp.where(x >= kcut[:, None], x, -jnp.inf), axis=-1)  # normaliser after top-k
+    cum = jnp.cumsum(jnp.where(vals >= kcut[:, None], jnp.exp(vals - lse[:, None]), 0.0), axis=-1)
+    idx = jnp.argmax(cum >= top_p, axis=-1)  # first candidate where the mass reaches p
+    pcut = jnp.where(use_p, jnp.take_along_axis(vals, idx[:, None], axis=-1)[:, 0], -jnp.inf)
+    ok = jnp.all((~use_p | (cum[:, -1] >= top_p)) & (~use_k | (top_k <= C)))
+    cut = jnp.maximum(kcut, pcut)
+    return jnp.where(x >= cut[:, None], x, -jnp.inf), ok
+
+
+def filter_logits(logits: Array, temperature, top_k, top_p, num_candidates: int = 128) -> Array:
     """Sampling logits: logits / temperature, then top-k, then top-p (on the top-k renormalised distribution).
 
-    Filtered-out tokens get -inf. Each filter costs nothing when disabled (lax.cond on the traced scalar).
+    Filtered-out tokens get -inf. Fast path: the `num_candidates` best logits via lax.top_k (exact whenever the
+    answer lies among them, checked per call); otherwise the exact bisections (top_k_mask, top_p_mask). Nothing is
+    computed when both filters are off (lax.cond on the traced scalars).
     """
     x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
-    x = lax.cond(jnp.asarray(top_k) > 0, lambda x: jnp.where(top_k_mask(x, top_k), x, -jnp.inf), lambda x: x, x)
-    x = lax.cond(jnp.asarray(top_p) < 1.0, lambda x: jnp.where(top_p_mask(x, top_p), x, -jnp.inf), lambda x: x, x)
-    return x
+    top_k, top_p = jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)
+
+    def bisect(x):
+        x = jnp.where(top_k_mask(x, top_k), x, -jnp.inf)
+        return jnp.where(top_p_mask(x, top_p), x, -jnp.inf)
+
+    def filt(x):
+        fast, ok = _candidate_filter(x, top_k, top_p, num_candidates)
+        return lax.cond(ok, lambda: fast, lambda: bisect(x))
+
+    return lax.cond((top_k > 0) | (top_p < 1.0), filt, lambda x: x, x)
 
 
 def select_tokens(logits: Array, key: Array, column, temperature, top_k, top_p) -> Array:

@@ -161,6 +161,19 @@ def test_top_p_top_k_filters_on_hand_made_distribution():
         np.testing.assert_array_equal(np.asarray(sampling.top_k_mask(jnp.asarray(x), k)), ref)
 
 
+def test_filter_logits_fast_path_equals_bisection():
+    rng = np.random.RandomState(1)
+    peaked = rng.randn(5, 700).astype(np.float32) * 6  # nucleus well inside the 128 candidates: fast path
+    flat = rng.randn(5, 700).astype(np.float32) * 0.3  # nucleus beyond the candidates: bisection fallback
+    for x in (peaked, flat):
+        for k, p in [(0, 0.9), (5, 1.0), (40, 0.8), (300, 0.95), (0, 0.0), (3, 0.5)]:
+            got = np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(x), 1.0, k, p)))
+            ref = np.asarray(sampling.top_k_mask(jnp.asarray(x), k))
+            ref = ref & np.asarray(sampling.top_p_mask(jnp.where(ref, jnp.asarray(x), -jnp.inf), p))
+            np.testing.assert_array_equal(got, ref, err_msg=f"k={k} p={p}")
+    assert np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(peaked), 1.0, 0, 1.0))).all()
+
+
 def test_sampling_reproducible_and_limits(qwen):
     _, m, _ = qwen
     g = greedy(m).tokens
@@ -280,6 +293,14 @@ def test_no_recompilation_with_new_params_or_controls(qwen):
 
 
 # ----------------------------------------------------------------------------------------------- sharding
+
+
+def test_scanned_layer_loop_matches_unrolled(qwen):
+    _, m, _ = qwen
+    assert sampling.get_sampler(m.config).layer_loop == "unrolled"  # CPU default
+    out = sampling.Sampler(m.config, layer_loop="scan").generate(m.params, prompts(), max_new_tokens=N_NEW,
+                                                                 stop_token_ids=(), temperature=1.0, seed=4)
+    np.testing.assert_array_equal(out.tokens, greedy(m, temperature=1.0, seed=4).tokens)
 
 
 def test_sharded_greedy_matches_single_device(qwen):

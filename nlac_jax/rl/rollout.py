@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from nlac_jax.envs.base import BatchedRunner, Episode, episode_metrics
+from nlac_jax.envs.base import BatchedRunner, EnvBase, Episode, episode_metrics
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.roles import RoleSampler
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
@@ -45,6 +45,15 @@ def _returns_to_go(ep: Episode) -> list[float]:
     return [float(sum(rewards[i:])) for i in range(len(rewards))]
 
 
+def _is_optimal(judge_env, task, state, action):
+    """Ground-truth optimality from an env that knows it (None otherwise); the judge is reset to the episode's task
+    because optimality depends on hidden task data (e.g. the toy task's number)."""
+    if judge_env is None or type(judge_env).is_action_optimal is EnvBase.is_action_optimal:
+        return None
+    judge_env.reset(task)
+    return judge_env.is_action_optimal(state, action)
+
+
 def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
                        max_transitions: int = 16, params: str = "policy") -> dict:
     """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes.
@@ -52,10 +61,11 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     judge_env: an env instance whose `is_action_optimal(state, action)` gives ground truth (None = unknown).
     Returns metrics under 'calib/' and 'verdict/' (NaN where nothing could be measured).
     """
-    items = []  # (state, action, return-to-go, episode success)
+    items, item_tasks = [], []  # (state, action, return-to-go, episode success), and each item's task
     for ep in episodes:
         for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
             items.append((t.state_messages, t.action, rtg, bool(ep.success)))
+            item_tasks.append(ep.task)
     items = items[:max_transitions]
     out = {"calib/n": len(items)}
     if not items:
@@ -71,7 +81,7 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     out["calib/success_accuracy"] = float(np.mean([s == succ for s, succ in ok_succ])) if ok_succ else math.nan
     out["calib/predicted_success"] = float(np.mean([s for s, _ in ok_succ])) if ok_succ else math.nan
 
-    truth = [judge_env.is_action_optimal(s, a) if judge_env is not None else None for s, a, _, _ in items]
+    truth = [_is_optimal(judge_env, task, s, a) for (s, a, _, _), task in zip(items, item_tasks)]
     known = [i for i, t in enumerate(truth) if t is not None]
     out["verdict/n"] = len(known)
     if known:
