@@ -26,19 +26,35 @@ import time
 import numpy as np
 
 
-def memory_read_bandwidth(threads: int, mib: int = 512) -> float:
-    """Bytes/s of a large-array sum (best of 1 thread and `threads` threads, best of 5)."""
-    a = np.ones(mib * 2 ** 20 // 8, np.float64)
-    a.sum()
-    best = 0.0
+def memory_read_bandwidth(threads: int, mib: int = 1024) -> dict:
+    """Read bandwidth (bytes/s) of a `mib` MiB array (larger than the L3 here), best of 5, by three readers:
+    numpy sum split over 1 and `threads` threads, torch sum (`threads` threads) and a jitted jnp.sum (XLA)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    a = np.ones(mib * 2 ** 20 // 4, np.float32)
+    out = {}
+
+    def best(fn):
+        fn()
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return a.nbytes / min(ts)
+
     for n in sorted({1, threads}):
         chunks = np.array_split(a, n)
         with concurrent.futures.ThreadPoolExecutor(n) as ex:
-            for _ in range(5):
-                t = time.perf_counter()
-                list(ex.map(np.sum, chunks))
-                best = max(best, a.nbytes / (time.perf_counter() - t))
-    return best
+            out[f"numpy x{n}"] = best(lambda: list(ex.map(np.sum, chunks)))
+    ta = torch.from_numpy(a)
+    out["torch"] = best(lambda: float(ta.sum()))
+    ja = jnp.asarray(a)
+    f = jax.jit(jnp.sum)
+    out["jax"] = best(lambda: f(ja).block_until_ready())
+    del ja
+    return out
 
 
 def main(argv=None):
@@ -66,7 +82,8 @@ def main(argv=None):
     import jax
     from nlac_jax import models, sampling
 
-    bw = memory_read_bandwidth(args.threads)
+    bws = memory_read_bandwidth(args.threads)
+    bw = max(bws.values())
     tmp = tempfile.TemporaryDirectory()
     if args.model_dir:
         model_dir = args.model_dir
@@ -83,7 +100,9 @@ def main(argv=None):
 
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {os.cpu_count()} cpus), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-    print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s; prompt {T} tokens, {N} new tokens, greedy, no early stop")
+    print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s (best of " +
+          ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bws.items()) +
+          f"); prompt {T} tokens, {N} new tokens, greedy, no early stop")
     rows = []
     for dtype in dtypes:
         m = models.load_pretrained(model_dir, dtype=dtype, load_tokenizer=False)

@@ -20,6 +20,11 @@ Design
   bucket), stop token ids, stop-string tables (within their size bucket), the PRNG key, the prompts. Greedy is
   `temperature <= 0`, chosen inside the compiled code by `lax.cond` (no second compilation). `TRACE_COUNTS` counts
   traces (tests assert no retrace).
+* Layer loop: on CPU (default `layer_loop='auto'`) the sampler runs the decoder's own `DecoderLayer` modules in a
+  Python loop with a per-layer KV cache: scanned weights are sliced once per call (outside the decode loop) and each
+  layer's cache buffer is updated in place. With the decoder's `nn.scan`, XLA:CPU copies every layer's weights out
+  of the stack on every decode step (2-3x the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder (no
+  second copy of the weights in memory); `layer_loop='unrolled'|'scan'` forces either.
 * Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
   >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
   holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts
@@ -27,11 +32,15 @@ Design
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.
-  top-k and top-p use NO sort: each finds its cut-off by an exact 32-step bisection over the float32 bit patterns
-  of the logits (order-preserving uint32 keys), with one [B, V] compare+reduce per step. top-k keeps every token
-  whose logit is >= the k-th largest (ties at the k-th are all kept); top-p keeps the smallest set of most-likely
-  tokens whose probability mass reaches p (ties at the boundary all kept; masses are float32 sums). At least one
-  token is always kept. Each filter is skipped at run time (lax.cond) when disabled (top_k <= 0, top_p >= 1).
+  top-k and top-p never sort the vocabulary. Fast path: `lax.top_k` (a partial selection) of the 128 best logits;
+  the top-k cut-off is the k-th of them and the top-p cut-off is the first candidate whose cumulative probability
+  (normalised over the whole top-k-filtered row) reaches p. It is used only when it is provably the exact answer
+  for every row (k <= 128 and the candidates' mass reaches p); otherwise that step falls back (lax.cond) to exact
+  32-step bisections over the float32 bit patterns of the logits (order-preserving uint32 keys; one [B, V]
+  compare+reduce per step). Semantics: top-k keeps every token whose logit is >= the k-th largest (ties at the k-th
+  all kept); top-p keeps the smallest set of most-likely tokens whose probability mass reaches p (ties at the edge
+  all kept; masses are float32 sums). At least one token always survives. Nothing is computed when both filters are
+  off.
 * log-probabilities: `out.logprobs` are log π(token) under the model's UNMODIFIED distribution (temperature 1, no
   top-k/top-p), i.e. what the trainer recomputes for the policy; 0 after the stop.
 * Stop tokens: any of `stop_token_ids`; the stop token is kept in `tokens` (and counted in `lengths`) but not in
@@ -60,7 +69,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -643,7 +652,7 @@ class Sampler:
         return b, _pow2(longest_prompt, self.min_prompt_bucket), _pow2(max_new_tokens, self.min_new_bucket)
 
     def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             raise TypeError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
         out = []
         for i, p in enumerate(prompts):
@@ -808,10 +817,10 @@ _SAMPLERS: dict = {}
 
 def get_sampler(cfg: ModelConfig, mesh=None, rules=None) -> Sampler:
     """The shared Sampler for (cfg, mesh, rules): `generate` reuses its compiled functions across calls."""
-    key = (cfg, id(mesh) if mesh is not None else None, rules)
+    key = (cfg, mesh, rules)
     with _CACHE_LOCK:
         s = _SAMPLERS.get(key)
-        if s is None or s.mesh is not mesh:
+        if s is None:
             s = _SAMPLERS[key] = Sampler(cfg, mesh=mesh, rules=rules)
         return s
 

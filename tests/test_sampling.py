@@ -130,19 +130,25 @@ def test_prefill_plus_decode_logits_equal_full_forward(qwen):
 # ----------------------------------------------------------------------------------------------- sampling controls
 
 
+# jitted once per input shape: k, p, temperature are traced (as in the sampler)
+_top_k_mask = jax.jit(sampling.top_k_mask)
+_top_p_mask = jax.jit(sampling.top_p_mask)
+_filter = jax.jit(sampling.filter_logits)
+
+
 def test_top_p_top_k_filters_on_hand_made_distribution():
     probs = np.array([0.05, 0.4, 0.1, 0.25, 0.2], np.float32)
     logits = jnp.log(jnp.asarray(probs))[None]
     for p, keep in [(0.0, {1}), (0.1, {1}), (0.5, {1, 3}), (0.7, {1, 3, 4}), (0.9, {1, 3, 4, 2}),
                     (0.97, {0, 1, 2, 3, 4}), (1.0, {0, 1, 2, 3, 4})]:
-        got = set(np.flatnonzero(np.asarray(sampling.top_p_mask(logits, p))[0]).tolist())
+        got = set(np.flatnonzero(np.asarray(_top_p_mask(logits, p))[0]).tolist())
         assert got == keep, (p, got)
     for k, keep in [(0, {0, 1, 2, 3, 4}), (1, {1}), (2, {1, 3}), (4, {1, 2, 3, 4}), (9, {0, 1, 2, 3, 4})]:
-        assert set(np.flatnonzero(np.asarray(sampling.top_k_mask(logits, k))[0]).tolist()) == keep, k
+        assert set(np.flatnonzero(np.asarray(_top_k_mask(logits, k))[0]).tolist()) == keep, k
     # ties at the edge are kept; negative and -inf logits are ordered correctly
     tied = jnp.asarray([[2.0, -1.0, 2.0, -jnp.inf, -3.0]])
-    assert np.asarray(sampling.top_k_mask(tied, 1))[0].tolist() == [True, False, True, False, False]
-    assert np.asarray(sampling.top_k_mask(tied, 3))[0].tolist() == [True, True, True, False, False]
+    assert np.asarray(_top_k_mask(tied, 1))[0].tolist() == [True, False, True, False, False]
+    assert np.asarray(_top_k_mask(tied, 3))[0].tolist() == [True, True, True, False, False]
     # against a sort-based reference on random rows
     rng = np.random.RandomState(0)
     x = rng.randn(6, 300).astype(np.float32) * 3
@@ -155,10 +161,10 @@ def test_top_p_top_k_filters_on_hand_made_distribution():
         ref = np.zeros_like(pr, bool)
         for b in range(6):
             ref[b, order[b, : n_keep[b]]] = True
-        np.testing.assert_array_equal(np.asarray(sampling.top_p_mask(jnp.asarray(x), p)), ref)
+        np.testing.assert_array_equal(np.asarray(_top_p_mask(jnp.asarray(x), p)), ref)
     for k in (1, 7, 50):
         ref = x >= np.sort(x, -1)[:, -k][:, None]
-        np.testing.assert_array_equal(np.asarray(sampling.top_k_mask(jnp.asarray(x), k)), ref)
+        np.testing.assert_array_equal(np.asarray(_top_k_mask(jnp.asarray(x), k)), ref)
 
 
 def test_filter_logits_fast_path_equals_bisection():
@@ -167,11 +173,11 @@ def test_filter_logits_fast_path_equals_bisection():
     flat = rng.randn(5, 700).astype(np.float32) * 0.3  # nucleus beyond the candidates: bisection fallback
     for x in (peaked, flat):
         for k, p in [(0, 0.9), (5, 1.0), (40, 0.8), (300, 0.95), (0, 0.0), (3, 0.5)]:
-            got = np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(x), 1.0, k, p)))
-            ref = np.asarray(sampling.top_k_mask(jnp.asarray(x), k))
-            ref = ref & np.asarray(sampling.top_p_mask(jnp.where(ref, jnp.asarray(x), -jnp.inf), p))
+            got = np.isfinite(np.asarray(_filter(jnp.asarray(x), 1.0, k, p)))
+            ref = np.asarray(_top_k_mask(jnp.asarray(x), k))
+            ref = ref & np.asarray(_top_p_mask(jnp.where(ref, jnp.asarray(x), -jnp.inf), p))
             np.testing.assert_array_equal(got, ref, err_msg=f"k={k} p={p}")
-    assert np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(peaked), 1.0, 0, 1.0))).all()
+    assert np.isfinite(np.asarray(_filter(jnp.asarray(peaked), 1.0, 0, 1.0))).all()
 
 
 def test_sampling_reproducible_and_limits(qwen):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from nlac_jax import sharding
+from nlac_jax.models import decoder
 
 NORMALISATIONS = ("token", "sequence")
 KIND_CRITIC, KIND_POLICY = 0, 1
@@ -68,10 +69,9 @@ def _head(params: dict, tied: bool) -> jax.Array:
 
 def _chunk_nll(hidden, head, labels, tied: bool, dtype):
     """hidden [B, C, E], labels [B, C] -> nll [B, C] float32; logits exactly as the decoder computes them."""
-    if tied:
-        logits = jnp.einsum("bte,ve->btv", hidden, head.astype(dtype), preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bte,ev->btv", hidden, head.astype(dtype), preferred_element_type=jnp.float32)
+    # decoder.einsum: the decoder's own logits arithmetic (float32 accumulation); in bfloat16 its backward also
+    # runs bf16 x bf16 -> f32 matmuls (the float32 logits cotangent is rounded to bf16, as in mixed precision)
+    logits = decoder.einsum("bte,ve->btv" if tied else "bte,ev->btv", hidden, head, dtype, jnp.float32)
     logits = sharding.constrain(logits, ("batch", "length", "act_vocab"))
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
