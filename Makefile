@@ -24,7 +24,13 @@ demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
 	$(PY) -m nlac_jax.train --gin_file=gin/runs/demo_cpu.gin --workdir=$(DEMO_DIR)
 
-test: $(STAMP)
+# the tests also cover the optional seqio adapters (TensorFlow, ~2.5 GB): installed for `make test` only
+SEQIO_STAMP := $(VENV)/.installed-seqio
+$(SEQIO_STAMP): $(STAMP) requirements-seqio.txt
+	$(PIP) install -q -r requirements-seqio.txt
+	touch $(SEQIO_STAMP)
+
+test: $(STAMP) $(SEQIO_STAMP)
 	$(PY) -m pytest -q --durations=15
 
 clean:

@@ -8,7 +8,9 @@ Every configuration runs in its own subprocess (clean peak-RSS, one JAX/torch ru
 other, on the same random batch (B x S tokens, the first `--prompt` tokens of each row are prompt, the rest target).
 Model FLOPs per token = 6 x (parameters - input embedding) + 12 x layers x hidden x seq (PaLM-style count);
 MFU denominators are the float32 and bfloat16 (float32 accumulation) matmul peaks measured by this script.
-Reported: median step time over --steps timed steps after one warm-up (compile) step; peak RSS of the subprocess.
+Reported: best and median step time over --steps timed steps after one warm-up (compile) step (tokens/s and MFU use
+the BEST step: least disturbed by other processes on a shared machine); peak RSS of the subprocess.
+Children run with glibc malloc tunables that keep freed memory (see MALLOC_TUNABLES; --no-malloc-tuning to drop).
 """
 
 from __future__ import annotations
@@ -92,19 +94,19 @@ def child_jax(a, dtype: str) -> dict:
     state, m = step(state, batch)
     jax.block_until_ready(m)
     first = time.perf_counter() - t
-    times, losses = [], [float(m["loss"])]
+    times, losses = [], [(float(m["l1"]) + float(m["l2"])) / 2]
     for _ in range(a.steps):
         t = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t)
-        losses.append(float(m["loss"]))
+        losses.append((float(m["l1"]) + float(m["l2"])) / 2)
     stats = {}
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001
         pass
-    return dict(step_s=statistics.median(times), times=times, first_s=first, losses=losses,
+    return dict(step_s=min(times), median_s=statistics.median(times), times=times, first_s=first, losses=losses,
                 rss_gb=maxrss_gb(), device_peak_gb=stats.get("peak_bytes_in_use", 0) / 1024 ** 3)
 
 
@@ -141,8 +143,8 @@ def child_torch(a, dtype: str) -> dict:
         t = time.perf_counter()
         losses.append(one())
         times.append(time.perf_counter() - t)
-    return dict(step_s=statistics.median(times), times=times, first_s=first, losses=losses, rss_gb=maxrss_gb(),
-                threads=torch.get_num_threads())
+    return dict(step_s=min(times), median_s=statistics.median(times), times=times, first_s=first, losses=losses,
+                rss_gb=maxrss_gb(), threads=torch.get_num_threads())
 
 
 # ----------------------------------------------------------------------------- parent
@@ -154,9 +156,16 @@ CONFIGS = {
 }
 
 
-def run_child(argv: list[str]) -> dict:
+# glibc malloc returns large blocks to the OS on free (mmap/munmap), so every step page-faults its big buffers
+# again (measured: a 24576x64x512 bf16 matmul 23 ms -> 5 ms with these settings). Applied to BOTH frameworks.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=17179869184"
+
+
+def run_child(argv: list[str], malloc_tuning: bool = True) -> dict:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
+    if malloc_tuning:
+        env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES) if x)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, os.path.abspath(__file__)] + argv, capture_output=True, text=True, env=env)
     for line in p.stdout.splitlines()[::-1]:
@@ -182,9 +191,13 @@ def parse(argv=None):
     ap.add_argument("--loss-chunk", type=int, default=0, help="make_train_step.loss_chunk")
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--remat", default="none", choices=["none", "full", "dots"])
-    ap.add_argument("--no-scan", dest="scan", action="store_false", help="unrolled layers (cfg.scan_layers=False)")
+    ap.add_argument("--scan", action="store_true",
+                    help="scanned layers (cfg.scan_layers=True); default unrolled: on XLA:CPU the scan's stacked "
+                         "residuals cost extra copies/converts (~30%% of the step), on TPU scan is the usual choice")
     ap.add_argument("--peak-n", type=int, default=2048)
-    ap.add_argument("--peak-reps", type=int, default=5)
+    ap.add_argument("--peak-reps", type=int, default=10)
+    ap.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
+                    help="do not set GLIBC_TUNABLES (malloc keeps freed memory) in the child processes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
@@ -212,17 +225,18 @@ def main(argv=None):
     print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{a.kv_heads} kv, mlp {a.mlp}, vocab {a.vocab}"
           f" (untied) = {num_params(a) / 1e6:.1f}M params; batch {a.batch} x seq {a.seq} ({tokens} tokens/step, "
           f"loss on {a.seq - a.prompt}/{a.seq} positions); {fpt / 1e6:.1f} MFLOP/token", flush=True)
-    peaks = run_child(fwd + ["--child", "peaks"])
+    peaks = run_child(fwd + ["--child", "peaks"], a.malloc_tuning)
     print(f"matmul peak ({a.peak_n}^3, best of {a.peak_reps}): float32 {peaks['f32']:.0f} GFLOP/s, "
           f"bfloat16 (f32 accumulation) {peaks['bf16']:.0f} GFLOP/s", flush=True)
     results = {}
     for c in a.configs.split(","):
-        results[c] = run_child(fwd + ["--child", c])
+        results[c] = run_child(fwd + ["--child", c], a.malloc_tuning)
         r = results[c]
-        print(f"  {c}: step {r['step_s']:.2f}s (times {[round(x, 2) for x in r['times']]}, first {r['first_s']:.1f}s), "
-              f"losses {[round(x, 4) for x in r['losses']]}", flush=True)
+        print(f"  {c}: best step {r['step_s']:.2f}s, median {r['median_s']:.2f}s (times "
+              f"{[round(x, 2) for x in r['times']]}, first incl. compile {r['first_s']:.1f}s), mean target NLL "
+              f"{[round(x, 4) for x in r['losses']]}", flush=True)
     base = results.get("torch-f32")
-    hdr = (f"| {'config':<10} | {'framework':<16} | {'precision':<29} | {'step s':>6} | {'tokens/s':>8} | "
+    hdr = (f"| {'config':<10} | {'framework':<16} | {'precision':<29} | {'best s':>6} | {'median s':>8} | {'tokens/s':>8} | "
            f"{'GFLOP/s':>7} | {'MFU f32':>7} | {'MFU bf16':>8} | {'vs torch f32':>12} | {'peak RSS GB':>11} |")
     print()
     print(hdr)
@@ -232,7 +246,7 @@ def main(argv=None):
         gf = tps * fpt / 1e9
         rel = f"{tps / (tokens / base['step_s']):.2f}x" if base else "-"
         fw, prec = CONFIGS[c]
-        print(f"| {c:<10} | {fw:<16} | {prec:<29} | {r['step_s']:>6.2f} | {tps:>8.1f} | {gf:>7.1f} | "
+        print(f"| {c:<10} | {fw:<16} | {prec:<29} | {r['step_s']:>6.2f} | {r['median_s']:>8.2f} | {tps:>8.1f} | {gf:>7.1f} | "
               f"{gf / peaks['f32']:>7.1%} | {gf / peaks['bf16']:>8.1%} | {rel:>12} | {r['rss_gb']:>11.2f} |")
 
 

@@ -44,6 +44,8 @@ class LoopConfig:
     sampler_max_batch: prompts per sampler call; top_p: nucleus for every role.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
+    seqio_task: read the tasks through this registered seqio Task (e.g. 'nlac_math', needs requirements-seqio.txt;
+      configure it with `nlac_jax.data.task_source_from_seqio.*`) instead of `make_task_source`.
     """
 
     iterations: int = 4
@@ -67,6 +69,7 @@ class LoopConfig:
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
+    seqio_task: str | None = None
 
 
 @gin.configurable
@@ -146,8 +149,8 @@ class NLACRun:
         self.loop = LoopConfig()
         self.target_cfg = targets.TargetConfig()
         self.env_factory = envs.make_env_factory()
-        self.task_source = envs.make_task_source()
         self.env_name = self.env_factory.env_name
+        self.task_source = self._task_source()
         self.prompts = prompts_lib.PromptSet(task=self.env_name)
         self.mesh = sharding.make_mesh()
         self.cfg, self.tokenizer, model_dir = build_model()
@@ -202,6 +205,16 @@ class NLACRun:
         self.eval_tasks = self.task_source.tasks(self.task_source.eval_split)[: self.loop.eval_episodes]
         self._np = np
         self._jax = jax
+
+    def _task_source(self):
+        from nlac_jax import data, envs
+        if self.loop.seqio_task is None:
+            return envs.make_task_source()
+        env = data.env_name_from_seqio(self.loop.seqio_task)
+        if env != self.env_name:
+            raise ValueError(f"LoopConfig.seqio_task={self.loop.seqio_task!r} holds {env!r} tasks but "
+                             f"make_env_factory.env_name={self.env_name!r}")
+        return data.task_source_from_seqio(self.loop.seqio_task)
 
     # ------------------------------------------------------------------ one iteration
     def _pack(self, examples, rng):

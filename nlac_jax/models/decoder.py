@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
@@ -24,7 +25,11 @@ _NEG = -1e30  # finite "minus infinity": fully masked (padding) query rows stay 
 
 REMAT_POLICIES = {
     "full": None,  # recompute everything in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep matmul outputs
+    # keep matmul outputs (the "linear" name: bfloat16 Linear outputs come from a custom_vjp, invisible to the
+    # dots policy)
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        jax.checkpoint_policies.save_only_these_names("linear")),
 }
 
 
@@ -81,7 +86,7 @@ def einsum(eq: str, x: Array, w: Array, dtype, out_dtype=None) -> Array:
 
 def _dot(eq: str, x: Array, w: Array, dtype) -> Array:
     # Accumulate in float32 whatever the compute dtype; cast back for the next op.
-    return einsum(eq, x, w, dtype)
+    return checkpoint_name(einsum(eq, x, w, dtype), "linear")
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import time
 import warnings
-from typing import Any
 
 import gin
 import jax
@@ -30,7 +28,6 @@ from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
 
-log = logging.getLogger(__name__)
 ITEMS = ("state", "metadata", "loop_state")
 
 
@@ -85,13 +82,13 @@ class Checkpointer:
 
         Returns whether a checkpoint was started (False when the interval says no and not `force`)."""
         step = int(state.step) if step is None else int(step)
+        if not force and not self._mngr.should_save(step):
+            return False
         meta = {"step": step, "time": time.time(), "jax_version": jax.__version__,
                 "num_devices": jax.device_count(),
                 "mesh": _mesh_of(state)}
         meta.update(_json_checked(metadata, "checkpoint metadata"))
         loop_state = _json_checked(loop_state, "loop_state")
-        if not force and not self._mngr.should_save(step):
-            return False
         return self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             metadata=ocp.args.JsonSave(meta),

@@ -5,8 +5,9 @@
     step = training.make_train_step(cfg, mesh, opt)          # gin: make_train_step.*
     state, metrics = step(state, batch)                      # batch: text.pack_examples(...).as_dict()
 
-`step` wraps `jax.jit(_step, in_shardings=(state, batch), out_shardings=(state, replicated), donate_argnums=(0,))`
-and enters the mesh (`sharding.use_mesh`) around the call so activation constraints apply while tracing.
+`step` wraps `jax.jit(train_step, in_shardings=(state, batch), out_shardings=(state, replicated),
+donate_argnums=(0,))` and enters the mesh (`sharding.use_mesh`) around the call so activation constraints apply
+while tracing. Metrics (replicated float/int scalars, METRIC_KEYS) are those of the parameters BEFORE the update.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nlac_jax import sharding
+from nlac_jax import models, sharding
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
 from nlac_jax.training import loss as loss_lib
@@ -189,6 +190,7 @@ class TrainStep:
 
     def __init__(self, cfg: ModelConfig, mesh, optimizer: Optimizer, sc: StepConfig, rules=None):
         self.cfg, self.mesh, self.optimizer, self.config, self.rules = cfg, mesh, optimizer, sc, rules
+        self.max_consecutive_skips = sc.max_consecutive_skips  # host-side guard; may be changed between calls
         self.state_shardings = state_shardings(cfg, mesh, optimizer, rules)
         self.batch_shardings = sharding.batch_shardings(mesh, rules)
         self.data_parallel = sharding.data_parallel_size(mesh, rules)
@@ -227,13 +229,13 @@ class TrainStep:
             new_state, metrics = self.jitted(state, batch)
         prev, self._pending = self._pending, metrics
         if prev is not None:
-            check_finite(prev, self.config.max_consecutive_skips)
+            check_finite(prev, self.max_consecutive_skips)
         return new_state, metrics
 
     def check(self) -> None:
         """Check the latest metrics now (blocking)."""
         if self._pending is not None:
-            check_finite(self._pending, self.config.max_consecutive_skips)
+            check_finite(self._pending, self.max_consecutive_skips)
 
 
 @gin.configurable
@@ -266,7 +268,6 @@ def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, 
 def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_weight: float = 1.0,
                  normalisation: str = "token", num_microbatches: int = 1, loss_chunk: int = 0, rules=None):
     """Jitted `(params, batch) -> (loss, grads, info)` with the step's exact loss (tests, diagnostics)."""
-    from nlac_jax import models
     sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
                     num_microbatches=num_microbatches, loss_chunk=loss_chunk)
     ps = models.param_shardings(cfg, mesh, rules)
