@@ -114,6 +114,8 @@ def child_torch(a, dtype: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     config = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                          max_position_embeddings=max(a.seq, 32), tie_word_embeddings=False)
@@ -196,6 +198,7 @@ def parse(argv=None):
                          "residuals cost extra copies/converts (~30%% of the step), on TPU scan is the usual choice")
     ap.add_argument("--peak-n", type=int, default=2048)
     ap.add_argument("--peak-reps", type=int, default=10)
+    ap.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
                     help="do not set GLIBC_TUNABLES (malloc keeps freed memory) in the child processes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

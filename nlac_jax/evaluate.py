@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(flags.checkpoint):
         raise SystemExit(f"--checkpoint {flags.checkpoint}: no such directory")
     train.load_gin(flags.gin_file, flags.gin_param)
+    train.enable_compilation_cache(flags.compilation_cache)
     from nlac_jax import loop
     workdir = flags.workdir or os.path.join(os.path.dirname(os.path.abspath(flags.checkpoint)), "eval")
     r = loop.NLACRun(workdir, checkpoint=flags.checkpoint)

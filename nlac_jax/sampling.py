@@ -223,7 +223,7 @@ class DecodeState:
     reason: Array      # [B] int32 index into STOP_REASONS
     lengths: Array     # [B] int32 generated tokens (including the stop token)
     ss_state: Array    # [B] int32 stop-string automaton state
-    cache: dict        # KV cache (models.decoder.init_cache layout), laid out by sharding's cache rules
+    cache: dict        # KV cache: per-layer tuples (init_layer_cache) or the decoder layout; sharded by the cache rules
     step: Array        # int32 scalar: tokens generated so far (= the column the next token goes to)
     key: Array         # PRNG key of this call
 

@@ -23,6 +23,8 @@ def parse_flags(argv=None, prog="python -m nlac_jax.train", extra=None):
     p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'LoopConfig.iterations = 3'")
     p.add_argument("--workdir", default=None, help="run directory (default runs/<first gin file name>)")
     p.add_argument("--multihost", action="store_true", help="call jax.distributed.initialize() (TPU pods)")
+    p.add_argument("--compilation_cache", default=os.path.join(os.path.expanduser("~"), ".cache", "nlac_jax", "xla"),
+                   help="persistent XLA compilation cache directory ('' = off); $JAX_COMPILATION_CACHE_DIR wins")
     if extra is not None:
         extra(p)
     return p.parse_args(argv)
@@ -56,6 +58,16 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def enable_compilation_cache(directory: str) -> None:
+    """Persistent XLA cache: a resumed run or a repeated demo skips most compilation (the keys hash the HLO,
+    devices and options, so entries are never stale)."""
+    import jax
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def default_workdir(gin_files) -> str:
     return os.path.join("runs", os.path.splitext(os.path.basename(gin_files[0]))[0])
 
@@ -66,6 +78,7 @@ def main(argv=None) -> int:
     if not flags.gin_file:
         raise SystemExit("--gin_file is required (e.g. --gin_file=gin/runs/demo_cpu.gin)")
     load_gin(flags.gin_file, flags.gin_param)
+    enable_compilation_cache(flags.compilation_cache)
     if flags.multihost:
         import jax
         jax.distributed.initialize()

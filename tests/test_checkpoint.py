@@ -96,8 +96,10 @@ def test_interval_retention_and_corrupt_latest_falls_back(setup, tmp_path):
     assert ckpt.all_steps() == [4, 6]
     abstract = training.abstract_train_state(CFG, s["mesh_a"], s["opt"])
 
-    # corrupt the latest step's array data: restore warns and falls back to step 4
-    for f in glob.glob(os.path.join(str(tmp_path), "6", "state", "**", "d", "*"), recursive=True):
+    # corrupt the latest step (its array index, as a torn write would): restore warns and falls back to step 4
+    manifests = glob.glob(os.path.join(str(tmp_path), "6", "state", "**", "manifest.ocdbt"), recursive=True)
+    assert manifests
+    for f in manifests:
         with open(f, "r+b") as fh:
             fh.truncate(7)
     with pytest.warns(RuntimeWarning, match="step 6 .* could not be restored"):

@@ -108,10 +108,6 @@ def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc:
     return total, grads, info
 
 
-def _select(pred, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
-
-
 def train_step(state: TrainState, batch, cfg: ModelConfig, optimizer: Optimizer, sc: StepConfig,
                param_shardings=None) -> tuple[TrainState, dict]:
     """One update (pure; jit it via make_train_step). Non-finite loss or grad norm -> θ, opt_state, θ̄ unchanged."""
@@ -119,16 +115,25 @@ def train_step(state: TrainState, batch, cfg: ModelConfig, optimizer: Optimizer,
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     lr = optimizer.schedule(state.applied_updates)
-    updates, new_opt = optimizer.tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
     tau = sc.ema_decay
-    new_target = jax.tree.map(lambda t, p: tau * t + (1.0 - tau) * p, state.target_params, new_params)
+
+    def apply(operands):
+        params, opt_state, target, grads = operands
+        updates, new_opt = optimizer.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_target = jax.tree.map(lambda t, p: (tau * t + (1.0 - tau) * p).astype(t.dtype), target, new_params)
+        return new_params, new_opt, new_target
+
+    def keep(operands):
+        return operands[:3]
+
+    # lax.cond, not a jnp.where per leaf: the skip test costs no extra pass over θ, the Adam moments and θ̄
+    new_params, new_opt, new_target = jax.lax.cond(
+        finite, apply, keep, (state.params, state.opt_state, state.target_params, grads))
     skipped = (~finite).astype(jnp.int32)
     rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
     new_state = TrainState(
-        params=_select(finite, new_params, state.params),
-        opt_state=_select(finite, new_opt, state.opt_state),
-        target_params=_select(finite, new_target, state.target_params),
+        params=new_params, opt_state=new_opt, target_params=new_target,
         step=state.step + 1, rng=rng, skipped=state.skipped + skipped,
         consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1))
     metrics = dict(info, loss=total, grad_norm=grad_norm, learning_rate=lr, skipped=skipped,
@@ -184,6 +189,7 @@ class TrainStep:
 
     batch: a dict (or anything with `.as_dict()`, e.g. text.PackedBatch) with the arrays of the token-batch contract
     (docs/ARCHITECTURE.md). B must be divisible by num_microbatches and by the data-parallel size (data × fsdp).
+    With several processes, NumPy arrays are this process's rows of the global batch.
     Non-finite guard: after each call, the PREVIOUS call's metrics are checked (so the check never stalls the
     pipeline) and NonFiniteError is raised once `max_consecutive_skips` updates in a row were skipped.
     """
@@ -210,6 +216,9 @@ class TrainStep:
             raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
         out = {k: (batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k], _BATCH_DTYPES[k]))
                for k in BATCH_KEYS}
+        if jax.process_count() > 1:  # multi-host: each process passes ITS rows; assemble the global batch
+            out = {k: v if isinstance(v, jax.Array) else
+                   jax.make_array_from_process_local_data(self.batch_shardings[k], v) for k, v in out.items()}
         B = out["input_ids"].shape[0]
         m = self.config.num_microbatches
         if B % max(m, 1):
