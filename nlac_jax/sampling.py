@@ -595,7 +595,10 @@ def _as_key(seed) -> Array:
         return seed
     if isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == np.uint32 and seed.shape == (2,):
         return jax.random.wrap_key_data(seed)
-    return jax.random.key(int(seed))
+    seed = int(seed) % (1 << 64)  # any Python int; 64 bits kept (jax.random.key would drop the high bits)
+    if seed < (1 << 32):
+        return jax.random.key(seed)  # == threefry key data [0, seed]
+    return jax.random.wrap_key_data(np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
 class Sampler:

@@ -6,6 +6,7 @@ Compiled steps are cached per (mesh, options) for the whole module: every test r
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -257,6 +258,36 @@ def test_bfloat16_compute_with_float32_master_weights_and_remat():
     _, g32, _ = grad_fn("dp8")(init_params(), batch)
     assert float(m["grad_norm"]) == pytest.approx(float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64))
                                                                      for x in jax.tree.leaves(host(g32))))), rel=3e-2)
+
+
+@pytest.mark.parametrize("eq,xs,ws", [("bte,ef->btf", (2, 5, 8), (8, 6)), ("bkgtd,bksd->bkgts", (2, 2, 3, 5, 4), (2, 2, 7, 4))])
+def test_mixed_precision_einsum_gradients(eq, xs, ws):
+    """decoder.einsum in bf16: backward matmuls take the cotangent in bf16 (f32 accumulation), matching autodiff of
+    the same arithmetic done in float32 on bf16-rounded values."""
+    from nlac_jax.models import decoder
+    r = np.random.RandomState(0)
+    x = jnp.asarray(r.randn(*xs), jnp.bfloat16)
+    w = jnp.asarray(r.randn(*ws), jnp.float32)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(eq, x, w)).shape
+    ct = jnp.asarray(r.randn(*out_shape), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: decoder.einsum(eq, x, w, jnp.bfloat16, jnp.float32), x, w)
+    dx, dw = vjp(ct)
+    assert y.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    ref_y, ref_vjp = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x.astype(jnp.float32),
+                             w.astype(jnp.bfloat16).astype(jnp.float32))
+    rdx, rdw = ref_vjp(ct.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx.astype(jnp.float32), rdx, rtol=1e-2, atol=1e-2)  # dx rounded to bf16
+    np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-5)
+
+    def dot_operand_dtypes(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield tuple(str(v.aval.dtype) for v in e.invars)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from dot_operand_dtypes(sub)
+    dots = list(dot_operand_dtypes(jax.make_jaxpr(vjp)(ct).jaxpr))
+    assert len(dots) == 2 and all(d == ("bfloat16", "bfloat16") for d in dots), dots  # both backward matmuls
 
 
 def test_schedule_and_weight_decay_mask():

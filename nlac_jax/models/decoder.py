@@ -39,7 +39,8 @@ def _param(module: nn.Module, name: str, init, shape, names, dtype):
 
 
 def _transposed_eqs(eq: str) -> tuple[str, str]:
-    """For 'A,B->C' where every index occurs in exactly two of A, B, C: the einsums of dA (C,B->A) and dB (A,C->B)."""
+    """For 'A,B->C' where every index occurs in at least two of A, B, C (contracted: A and B; batch: all three):
+    the einsums of dA (C,B->A) and dB (A,C->B)."""
     ins, out = eq.split("->")
     a, b = ins.split(",")
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
@@ -76,7 +77,7 @@ def einsum(eq: str, x: Array, w: Array, dtype, out_dtype=None) -> Array:
 
     float32: a plain einsum. Other dtypes: same forward; the backward matmuls also run in `dtype` with float32
     accumulation (the incoming cotangent is rounded to `dtype`, as mixed-precision training does).
-    Every index of `eq` must occur in exactly two of its three terms (true of every contraction in this file)."""
+    Every index of `eq` must occur in at least two of its three terms (true of every contraction in this file)."""
     dtype = jnp.dtype(dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     if dtype == jnp.float32:
