@@ -13,6 +13,8 @@ import transformers
 from nlac_jax import models, sharding
 from nlac_jax.models import hf_io
 
+from hf_reference import make_hf_model
+
 TOL = 1e-4
 
 # (name, family, overrides): tied/untied, kv ratios 1 / 2 / MQA, head_dim != hidden/heads
@@ -25,25 +27,6 @@ CONFIGS = [
     ("llama_mqa_untied_hd12", "llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=12,
                                             tie_word_embeddings=False)),
 ]
-
-
-def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
-    """A random tiny transformers model saved to `out_dir` (safetensors); weights scaled up so biases/norms matter."""
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=131, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256)
-    kw.update(overrides)
-    cls_cfg, cls_model = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
-    hm = cls_model(cls_cfg(**kw)).eval()
-    with torch.no_grad():
-        for name, p in hm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    hm.save_pretrained(out_dir)
-    return hm
 
 
 def hf_logits(hm, ids, mask):

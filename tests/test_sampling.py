@@ -13,6 +13,8 @@ import transformers
 
 from nlac_jax import models, sampling, sharding, tiny
 
+from hf_reference import make_hf_model
+
 VOCAB = 512  # = the tiny tokenizer's vocabulary
 N_NEW = 32
 # 4 prompts of different lengths (one longer than the 16-token minimum bucket: prompt bucket 32)
@@ -20,22 +22,10 @@ LENS = (5, 17, 1, 9)
 
 
 def make_hf(family: str, out_dir: str, seed: int = 0, std: float = 0.5, **overrides):
-    """Random tiny HF model saved to out_dir; large weights so the argmax is well separated (exact greedy parity)."""
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+    """Large weights so the argmax is well separated (exact greedy parity)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, tie_word_embeddings=False)
     kw.update(overrides)
-    cls_cfg, cls_model = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
-    hm = cls_model(cls_cfg(**kw)).eval()
-    with torch.no_grad():
-        for name, p in hm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    hm.save_pretrained(out_dir)
-    return hm
+    return make_hf_model(family, out_dir, seed=seed, std=std, **kw)
 
 
 def prompts(seed=0, lens=LENS):
