@@ -12,7 +12,7 @@ from nlac_jax import models, sharding, training
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, rope_theta=10000.0)
 B, T = 8, 12
-# orbax leaves asyncio tasks behind when a corrupt step fails to read; they surface as unraisable warnings later
+# a failed orbax read leaves an asyncio callback behind that fires on a closed loop later (harmless, unraisable)
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 

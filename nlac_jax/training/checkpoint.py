@@ -15,7 +15,9 @@ Every process must call save/restore (orbax synchronises and writes once per arr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import logging
 import os
 import time
 import warnings
@@ -133,6 +135,7 @@ class Checkpointer:
                 return Restored(state=state, metadata=dict(r["metadata"] or {}),
                                 loop_state=dict(r["loop_state"] or {}), step=s)
             except Exception as e:  # noqa: BLE001 (corruption surfaces as many exception types)
+                _collect_orphaned_futures()
                 errors.append(f"step {s}: {type(e).__name__}: {e}")
                 warnings.warn(f"checkpoint step {s} in {self.directory} could not be restored "
                               f"({type(e).__name__}: {str(e)[:300]}); falling back to the previous step",
@@ -153,6 +156,18 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _collect_orphaned_futures() -> None:
+    """A failed orbax read leaves the other per-array read futures with unretrieved exceptions; collect them now,
+    quietly, instead of letting asyncio print a traceback for each one at exit (the warning above says it all)."""
+    logger = logging.getLogger("asyncio")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        gc.collect()
+    finally:
+        logger.setLevel(level)
 
 
 def _mesh_of(state: TrainState) -> dict:
