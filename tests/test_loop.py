@@ -150,3 +150,28 @@ def test_cli_gin_typo_exits_nonzero_before_compiling(tmp_path):
     assert res.returncode != 0
     assert "num_iterations" in res.stderr and "gin configuration error" in res.stderr
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+@pytest.mark.parametrize("task", sorted(f[:-4] for f in os.listdir(os.path.join(REPO, "gin", "tasks"))))
+def test_every_task_gin_file_parses_with_the_tiny_model(task):
+    if task.startswith("tau_"):
+        pytest.importorskip("tau2")
+    try:
+        train.load_gin(["gin/models/tiny_random.gin", f"gin/tasks/{task}.gin"], [])
+    finally:
+        gin.clear_config()
+
+
+def test_every_run_gin_file_parses(tmp_path):
+    for f in sorted(os.listdir(os.path.join(REPO, "gin", "runs"))):
+        model_dir = tmp_path / "hf"  # the 7B run files need MODEL_DIR: a tiny HF dir stands in
+        if not model_dir.exists():
+            from nlac_jax import models
+            m = models.random_model(models.ModelConfig(vocab_size=576, hidden_size=32, intermediate_size=64,
+                                                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16))
+            m.tokenizer = __import__("nlac_jax.tiny", fromlist=["x"]).make_tiny_tokenizer()
+            m.save_pretrained(str(model_dir))
+        try:
+            train.load_gin([f"gin/runs/{f}"], [f"MODEL_DIR = '{model_dir}'"] if "qwen" in f else [])
+        finally:
+            gin.clear_config()
