@@ -79,6 +79,7 @@ from jax import lax
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
 from nlac_jax.models.decoder import (CACHE_LOGICAL_AXES, CausalLM, DecoderLayer, Embed, RMSNorm, attention_mask_bias,
                                      init_cache, rope_cos_sin)
 
@@ -95,10 +96,6 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 _MIN_PROMPT_BUCKET = 16
 _MIN_NEW_BUCKET = 16
 _MIN_STOP_SLOTS = 8
-
-
-def _pow2(n: int, minimum: int = 1) -> int:
-    return max(int(minimum), 1 << max(0, int(n) - 1).bit_length())
 
 
 # =============================================================================================== token selection
@@ -562,7 +559,7 @@ def stop_string_table(tok_bytes: Sequence[bytes], stop_strings: Sequence[str]) -
         nxt = delta[cur[:, :n], mat[None, :n, j]]
         cur[:, :n] = nxt
         hit[:, :n] |= accept[nxt]
-    table = np.zeros((_pow2(S, 2), V), np.int32)
+    table = np.zeros((bucket_length(S, 2), V), np.int32)
     table[:S, order] = cur * 2 + hit
     return table
 
@@ -649,10 +646,11 @@ class Sampler:
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
-        b = _pow2(batch)
+        b = bucket_length(batch, 1)
         dp = self.data_parallel
         b = -(-b // dp) * dp
-        return b, _pow2(longest_prompt, self.min_prompt_bucket), _pow2(max_new_tokens, self.min_new_bucket)
+        return (b, bucket_length(longest_prompt, self.min_prompt_bucket),
+                bucket_length(max_new_tokens, self.min_new_bucket))
 
     def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
@@ -765,7 +763,7 @@ class Sampler:
         mask[B:, -1] = 1  # filler rows: one dummy token, done from the start
         live = np.arange(Bb) < B
 
-        stop_ids = np.full((_pow2(len(stop_token_ids), _MIN_STOP_SLOTS),), -1, np.int32)
+        stop_ids = np.full((bucket_length(len(stop_token_ids), _MIN_STOP_SLOTS),), -1, np.int32)
         stop_ids[: len(stop_token_ids)] = stop_token_ids
         table, host_check = self._stop_table(tokenizer, stop_strings)
         ctl = _controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
