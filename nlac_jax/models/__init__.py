@@ -17,7 +17,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nlac_jax import sharding
 from nlac_jax.models import hf_io
