@@ -31,7 +31,7 @@ def _oracle_fn(roles):
     # model-backed oracle/user: plain prompts or chat histories -> replies, from the same tiny model
     def fn(requests):
         chats = [[{"role": "user", "content": q}] if isinstance(q, str) else q for q in requests]
-        return roles.sample(chats, "target", "oracle")
+        return [c.text for c in roles.sample(chats, "target", "oracle")]
     return fn
 
 

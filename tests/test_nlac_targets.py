@@ -11,7 +11,7 @@ import re
 import pytest
 
 from nlac_jax.nlac import prompts as P
-from nlac_jax.nlac.roles import ScriptedRoleSampler, group
+from nlac_jax.nlac.roles import Completion, ScriptedRoleSampler, group
 from nlac_jax.nlac.targets import (
     CriticExample,
     PolicyExample,
@@ -146,13 +146,49 @@ def test_backup_without_line_enforcement_keeps_model_text():
     assert "final line is exactly" not in sampler.calls_for("backup")[0].user_texts()[0]
 
 
-def test_backup_fallback_and_unparsable_successor():
-    sampler = make_sampler(backup="", successor="a future without an outcome line")
+@pytest.mark.parametrize("backup", ["", "   \n", "Outcome: success; Return: 1"])
+def test_unusable_backup_drops_the_example_instead_of_using_the_next_future(backup):
+    # formerly the target fell back to d_{t+1}: a forecast from (s_{t+1}, a_{t+1}) that lacks r_t
+    sampler = make_sampler(backup=backup)
+    stats = TargetStats()
+    ex = build_critic_examples([trans("a", reward=-1.0), trans("w", reward=1.0, done=True)], sampler, TargetConfig(), PS, stats)
+    assert ex[0].target_text == ""  # formerly d_{t+1}
+    assert ex[0].dropped == "backup_empty"
+    assert ex[0].next_future == "FUT(POL(N-a))#0\nOutcome: success; Return: 2" and ex[0].backup_raw == backup
+    assert ex[1].dropped is None and trainable(ex) == [ex[1]]
+    assert stats.critic_dropped_backup == 1 and stats.dropped_truncated == 0 and stats.critic_examples == 2
+    assert stats.as_dict()["nlac/critic_dropped_backup"] == 1.0 and stats.as_dict()["nlac/frac_critic_dropped"] == 0.5
+
+
+def test_unparsable_successor_line_is_not_enforced():
+    sampler = make_sampler(successor="a future without an outcome line")
     stats = TargetStats()
     ex = build_critic_examples([trans("a", reward=-1.0)], sampler, TargetConfig(), PS, stats)
-    # empty backup -> d_{t+1}; its line unreadable -> nothing to enforce
-    assert ex[0].target_text == "a future without an outcome line"
-    assert stats.backup_fallbacks == 1 and stats.successor_unparsable == 1 and stats.backup_line_rewritten == 0
+    assert ex[0].target_text == "MERGED(A-a)\nOutcome: failure; Return: 99" and ex[0].dropped is None
+    assert stats.successor_unparsable == 1 and stats.backup_line_rewritten == 0
+
+
+@pytest.mark.parametrize("reason", ["length", "context_full"])
+def test_truncated_backup_is_never_a_target(reason):
+    # the cut-off backup has a readable body AND a correct final line: only its stop reason condemns it
+    cut = Completion("MERGED(A-a) and then the user\nOutcome: success; Return: 1", reason)
+    sampler = make_sampler(backup=[cut, "MERGED(A-b)\nOutcome: success; Return: 2"])
+    stats = TargetStats()
+    ex = build_critic_examples([trans("a", reward=-1.0), trans("b")], sampler, TargetConfig(), PS, stats)
+    assert ex[0].target_text == ""  # formerly the cut-off text itself
+    assert (ex[0].dropped, ex[0].backup_stop_reason) == ("backup_truncated", reason)
+    assert (ex[1].dropped, ex[1].target_text) == (None, "MERGED(A-b)\nOutcome: success; Return: 2")
+    assert ex[1].backup_stop_reason == "stop_token" and trainable(ex) == [ex[1]]
+    assert stats.dropped_truncated == 1 and stats.critic_dropped_backup == 1
+    assert stats.as_dict()["nlac/dropped_truncated"] == 1.0
+    assert "TARGET d*_t: DROPPED (backup_truncated)" in format_examples_for_humans(ex)
+    assert f"BACKUP OUTPUT [cut off: {reason}]" in format_examples_for_humans(ex)
+
+
+def test_stop_string_backup_is_a_target():
+    sampler = make_sampler(backup=Completion("MERGED(A-a)\nOutcome: success; Return: 1", "stop_string"))
+    ex = build_critic_examples([trans("a", reward=-1.0)], sampler, TargetConfig(), PS)
+    assert ex[0].dropped is None and ex[0].target_text == "MERGED(A-a)\nOutcome: success; Return: 1"
 
 
 def test_summaries_are_truncated_keeping_the_final_line():
@@ -178,7 +214,7 @@ def test_policy_flow_k_futures_m_rounds_all_under_theta():
     pol, succ, ev, r1, r2 = sampler.calls
     assert pol.messages_batch == [PS.policy(ts[0].state), PS.policy(ts[1].state)]
     assert succ.messages_batch == [PS.successor(ts[0].state, "POL(U-a)"), PS.successor(ts[1].state, "POL(U-b)")]
-    assert group(succ.outputs, 3)[1] == [f"FUT(POL(U-b))#{j}\nOutcome: success; Return: 2" for j in range(3)]
+    assert group(succ.output_texts(), 3)[1] == [f"FUT(POL(U-b))#{j}\nOutcome: success; Return: 2" for j in range(3)]
     # the evaluator gets all k futures of ITS action
     assert ev.messages_batch[0] == PS.evaluator(ts[0].state, "POL(U-a)", [f"FUT(POL(U-a))#{j}\nOutcome: success; Return: 2" for j in range(3)])
     assert "FUT(POL(U-b))#2" in ev.user_texts()[1] and "FUT(POL(U-a))" not in ev.user_texts()[1]
@@ -190,8 +226,11 @@ def test_policy_flow_k_futures_m_rounds_all_under_theta():
     e = ex[0]
     assert isinstance(e, PolicyExample) and e.kind == 1 and e.weight == 2.0 and e.action_source == "policy"
     assert e.target_text == "REF2(POL(U-a))"  # the last round, cleaned of its label
-    assert e.refinements == ["REF1(POL(U-a))", "REF2(POL(U-a))"] and not e.fallback
+    assert e.refinements == ["REF1(POL(U-a))", "REF2(POL(U-a))"] and e.dropped is None
+    assert e.refinement_stop_reasons == ["stop_token", "stop_token"] and e.action_stop_reason == "stop_token"
     assert e.verdict is False and e.critique == crit_a and len(e.futures) == 3
+    # the paper's form: ONE critique, of a
+    assert e.critiques == [crit_a] and e.critiqued_actions == ["POL(U-a)"] and stats.recritiques == 0
     # L2's prompt is the policy prompt: the critique is NOT in the policy's context
     assert e.prompt_messages == PS.policy(ts[0].state)
     assert "CRIT" not in str(e.prompt_messages) and "FUT" not in str(e.prompt_messages)
@@ -235,30 +274,49 @@ def test_verdict_stats():
     assert math.isnan(TargetStats().frac_optimal)
 
 
-def test_unusable_refinement_falls_back():
-    # round outputs per state: "" (empty), a special token only, too long, then a usable one
+def test_unusable_refinement_of_a_rejected_action_drops_the_example():
+    # round outputs per state: "" (empty), a special token only, too long, then a usable one; every verdict
+    # is "suboptimal", so a rejected action must NOT become the target (formerly: fallback to a)
     sampler = make_sampler(refiner=["", "<|im_end|>", "z" * 50, "Action: GOOD"])
     stats = TargetStats()
     ex = build_policy_examples([trans(str(i)) for i in range(4)], sampler, TargetConfig(max_action_chars=20), PS, stats)
-    assert [e.target_text for e in ex] == ["POL(U-0)", "POL(U-1)", "POL(U-2)", "GOOD"]
-    assert [e.fallback for e in ex] == [True, True, True, False]
-    assert stats.refinement_fallbacks == 3 and stats.refinements_unusable == 3 and stats.refinement_unchanged == 3
+    assert [e.target_text for e in ex] == ["", "", "", "GOOD"]
+    assert [e.dropped for e in ex] == ["rejected", "rejected", "rejected", None]
+    assert trainable(ex) == [ex[3]]
+    assert stats.policy_dropped_rejected == 3 and stats.refinements_unusable == 3 and stats.refinement_unchanged == 0
+    assert stats.policy_dropped == 3 and stats.as_dict()["nlac/frac_policy_dropped"] == 0.75
+
+
+def test_no_usable_refinement_keeps_a_only_when_judged_optimal():
+    critiques = ["fine\nVerdict: optimal", "bad\nVerdict: suboptimal", "no verdict here"]
+    sampler = make_sampler(evaluator=critiques, refiner="")
+    stats = TargetStats()
+    ex = build_policy_examples([trans(str(i)) for i in range(3)], sampler, TargetConfig(), PS, stats)
+    assert [e.target_text for e in ex] == ["POL(U-0)", "", ""]
+    assert [e.dropped for e in ex] == [None, "rejected", "verdict_unparsable"]
+    assert (stats.policy_dropped_rejected, stats.policy_dropped_unparsable, stats.refinement_unchanged) == (1, 1, 1)
+    assert trainable(ex) == [ex[0]]
+    dump = format_examples_for_humans(ex)
+    assert "TARGET aʳ: DROPPED (rejected), not trained on" in dump and "DROPPED (verdict_unparsable)" in dump
+    assert "TARGET aʳ:\n    POL(U-0)" in dump
 
 
 def test_unusable_later_round_keeps_earlier_refinement():
     sampler = make_sampler(refiner=["first try", ""])
     stats = TargetStats()
     ex = build_policy_examples([trans("a")], sampler, TargetConfig(m_refinements=2), PS, stats)
-    assert ex[0].target_text == "first try" and not ex[0].fallback and ex[0].refinements == ["first try", ""]
+    assert ex[0].target_text == "first try" and ex[0].dropped is None and ex[0].refinements == ["first try", ""]
     # round 2 was conditioned on round 1
     assert "first try" in sampler.calls_for("refiner")[1].user_texts()[0]
-    assert stats.refinements_unusable == 1 and stats.refinement_fallbacks == 0
+    assert stats.refinements_unusable == 1 and stats.policy_dropped == 0
 
 
-def test_zero_refinement_rounds_distils_the_action():
-    sampler = make_sampler()
-    ex = build_policy_examples([trans("a")], sampler, TargetConfig(m_refinements=0), PS)
-    assert "refiner" not in sampler.call_counts() and ex[0].target_text == "POL(U-a)" and not ex[0].fallback
+def test_zero_refinement_rounds_distils_the_action_only_when_optimal():
+    sampler = make_sampler(evaluator=["good\nVerdict: optimal", "bad\nVerdict: suboptimal"])
+    ex = build_policy_examples([trans("a"), trans("b")], sampler, TargetConfig(m_refinements=0), PS)
+    assert "refiner" not in sampler.call_counts()
+    assert (ex[0].target_text, ex[0].dropped) == ("POL(U-a)", None)
+    assert (ex[1].target_text, ex[1].dropped) == ("", "rejected")
 
 
 # ------------------------------------------------------------------------------------------ plumbing
@@ -290,26 +348,172 @@ def test_per_task_prompt_sets():
 
 
 def test_three_argument_sampler_contract_and_bad_output_length():
-    class Minimal:  # docs/ARCHITECTURE.md's contract: sample(messages_batch, params, role), no `n`
+    class Minimal:  # the 3-argument form: sample(messages_batch, params, role), no `n` (k = 1 never passes it)
         def sample(self, messages_batch, params, role):
-            return ["Outcome: success; Return: 0" if role == "successor" else "x"] * len(messages_batch)
+            text = "Outcome: success; Return: 0" if role == "successor" else "x"
+            return [Completion(text, "stop_token")] * len(messages_batch)
 
     ex = build_policy_examples([trans("a")], Minimal(), TargetConfig(), PS)
     assert ex[0].target_text == "x"
 
     class Short:
         def sample(self, messages_batch, params, role, n=1):
-            return ["x"]
+            return [Completion("x")]
 
     with pytest.raises(ValueError, match="expected a flat list of 2"):
         build_critic_examples([trans("a"), trans("b")], Short(), TargetConfig(), PS)
 
+    class Strings:  # a sampler that drops its stop reasons is refused, not trusted
+        def sample(self, messages_batch, params, role, n=1):
+            return ["x"] * len(messages_batch) * n
 
-def test_empty_targets_are_counted_and_filtered():
-    sampler = make_sampler(policy="<|im_end|>", refiner="", successor="", backup="")
+    with pytest.raises(TypeError, match="expected Completion"):
+        build_critic_examples([trans("a")], Strings(), TargetConfig(), PS)
+
+
+def test_degenerate_samples_are_dropped_and_filtered():
+    sampler = make_sampler(policy="<|im_end|>", refiner="", successor="", backup="",
+                           evaluator="empty but fine\nVerdict: optimal")
     stats = TargetStats()
     pol = build_policy_examples([trans("a")], sampler, TargetConfig(), PS, stats)
     crit = build_critic_examples([trans("b"), trans("w", reward=1.0, done=True)], sampler, TargetConfig(), PS, stats)
-    assert pol[0].target_text == "" and pol[0].fallback and crit[0].target_text == ""
-    assert stats.empty_actions == 2 and stats.empty_targets == 2
+    # judged optimal, but a is empty: nothing to distil
+    assert (pol[0].target_text, pol[0].dropped) == ("", "action_unusable")
+    assert (crit[0].target_text, crit[0].dropped) == ("", "backup_empty")
+    assert stats.empty_actions == 2 and stats.policy_dropped_action == 1 and stats.critic_dropped_backup == 1
     assert trainable(pol + crit) == [crit[1]]
+
+
+# ------------------------------------------------------------------------------------------ cut-off generations
+
+
+@pytest.mark.parametrize("reason", ["length", "context_full"])
+def test_truncated_refinement_is_never_a_target(reason):
+    # state 0's refinement was cut off, state 1's finished; both verdicts are "suboptimal"
+    sampler = make_sampler(refiner=[Completion("Refined action: Is it a mammal that", reason), "Action: Is it a cat?"])
+    stats = TargetStats()
+    ex = build_policy_examples([trans("a"), trans("b")], sampler, TargetConfig(), PS, stats)
+    assert ex[0].target_text == ""  # formerly the cut-off refinement
+    assert ex[0].dropped == "rejected"  # the cut-off text was its only refinement
+    assert ex[0].refinements == ["Is it a mammal that"] and ex[0].refinement_stop_reasons == [reason]
+    assert (ex[1].target_text, ex[1].dropped) == ("Is it a cat?", None)
+    assert stats.dropped_truncated == 1 and stats.refinements_unusable == 1 and stats.policy_dropped_rejected == 1
+    assert f"REFINEMENT round 1 [cut off: {reason}]" in format_examples_for_humans(ex)
+
+
+def test_truncated_later_round_keeps_the_earlier_refinement_and_is_not_shown_again():
+    sampler = make_sampler(refiner=["first try", Completion("second try, cut", "length"), "third try"])
+    stats = TargetStats()
+    ex = build_policy_examples([trans("a")], sampler, TargetConfig(m_refinements=2), PS, stats)
+    assert ex[0].target_text == "first try" and ex[0].dropped is None
+    assert stats.dropped_truncated == 1
+    ex = build_policy_examples([trans("a")], make_sampler(refiner=[Completion("cut", "length"), "whole"]),
+                               TargetConfig(m_refinements=2), PS)
+    assert ex[0].target_text == "whole"
+
+
+def test_truncated_fresh_action_is_acted_on_and_refined_but_never_a_target():
+    cut = Completion("Action: Is it bigger than a", "length")
+    # judged optimal, no usable refinement: formerly the cut-off a was the target
+    sampler = make_sampler(policy=cut, evaluator="fine\nVerdict: optimal", refiner="")
+    stats = TargetStats()
+    ex = build_policy_examples([trans("a")], sampler, TargetConfig(), PS, stats)
+    assert ex[0].action == "Is it bigger than a" and ex[0].target_text == ""  # formerly the cut-off a
+    assert (ex[0].dropped, ex[0].action_stop_reason) == ("action_truncated", "length")
+    assert stats.dropped_truncated == 1 and stats.policy_dropped_action == 1 and trainable(ex) == []
+    # it was still critiqued
+    assert "Is it bigger than a" in sampler.calls_for("evaluator")[0].user_texts()[0]
+    assert "ACTION a [cut off: length]" in format_examples_for_humans(ex)
+    # a finished refinement of the cut-off action is a fine target
+    ex = build_policy_examples([trans("a")], make_sampler(policy=cut, refiner="Action: Is it a dog?"), TargetConfig(), PS)
+    assert (ex[0].target_text, ex[0].dropped) == ("Is it a dog?", None)
+
+
+def test_truncated_next_action_still_feeds_the_backup():
+    sampler = make_sampler(policy=Completion("Action: Is it a", "length"))
+    ex = build_critic_examples([trans("a", reward=-1.0)], sampler, TargetConfig(), PS)
+    assert ex[0].next_action == "Is it a" and ex[0].dropped is None
+    assert ex[0].target_text == "MERGED(A-a)\nOutcome: success; Return: 1"
+
+
+# ------------------------------------------------------------------------------------------ re-critique
+
+
+def test_recritique_evaluates_each_new_refinement():
+    # round 1: state a gets a usable refinement, state b an empty one; round 2: both usable
+    sampler = make_sampler(refiner=["Action: R1a", "", "Action: R2a", "Action: R2b"])
+    stats = TargetStats()
+    cfg = TargetConfig(k_futures=2, m_refinements=2, recritique=True)
+    ex = build_policy_examples([trans("a"), trans("b")], sampler, cfg, PS, stats)
+
+    assert [(c.role, len(c.messages_batch), c.n) for c in sampler.calls] == [
+        ("policy", 2, 1), ("successor", 2, 2), ("evaluator", 2, 1), ("refiner", 2, 1),
+        ("successor", 1, 2), ("evaluator", 1, 1), ("refiner", 2, 1)]  # only a's new refinement is re-critiqued
+    s_a, s_b = trans("a").state, trans("b").state
+    assert sampler.calls[4].messages_batch == [PS.successor(s_a, "R1a")]
+    futs = [f"FUT(R1a)#{j}\nOutcome: success; Return: 2" for j in range(2)]
+    assert sampler.calls[5].messages_batch == [PS.evaluator(s_a, "R1a", futs)]
+    crit_a = "CRIT(POL(U-a)): ask something sharper.\nVerdict: suboptimal"
+    crit_r1 = "CRIT(R1a): ask something sharper.\nVerdict: suboptimal"
+    crit_b = "CRIT(POL(U-b)): ask something sharper.\nVerdict: suboptimal"
+    # round 2: a's refiner improves R1a under R1a's critique; b (nothing new) refines b under its first critique
+    assert sampler.calls[6].messages_batch == [PS.refiner(s_a, "R1a", crit_r1, []), PS.refiner(s_b, "POL(U-b)", crit_b, [])]
+    assert sampler.calls[3].messages_batch == [PS.refiner(s_a, "POL(U-a)", crit_a, []), PS.refiner(s_b, "POL(U-b)", crit_b, [])]
+
+    assert ex[0].target_text == "R2a" and ex[1].target_text == "R2b"
+    assert ex[0].critique == crit_a and ex[0].verdict is False
+    assert ex[0].critiques == [crit_a, crit_r1] and ex[0].critiqued_actions == ["POL(U-a)", "R1a"]
+    assert ex[1].critiques == [crit_b] and ex[1].critiqued_actions == ["POL(U-b)"]
+    # verdict counters stay about a; re-critiques are counted on their own
+    assert (stats.verdict_suboptimal, stats.recritiques) == (2, 1)
+    assert stats.sampler_calls == {"policy": 1, "successor": 2, "evaluator": 2, "refiner": 2}
+    assert "RE-CRITIQUE 1 of:\n    R1a" in format_examples_for_humans(ex)
+
+
+def test_recritique_off_by_default_and_the_same_as_chaining_for_m1():
+    assert TargetConfig().recritique is False
+    a, b = make_sampler(), make_sampler()
+    ex_a = build_policy_examples([trans("a")], a, TargetConfig(), PS)
+    ex_b = build_policy_examples([trans("a")], b, TargetConfig(recritique=True), PS)
+    assert [c.messages_batch for c in a.calls] == [c.messages_batch for c in b.calls]
+    assert ex_a[0].target_text == ex_b[0].target_text == "REF1(POL(U-a))"
+
+
+# ------------------------------------------------------------------------------------------ critique ablation
+
+
+def test_ablated_critique_skips_the_critic_and_keeps_only_refinements():
+    sampler = make_sampler(refiner=["Action: better", ""], evaluator="fine\nVerdict: optimal")
+    stats = TargetStats()
+    cfg = TargetConfig(ablate_critique=True)
+    ex = build_policy_examples([trans("a"), trans("b")], sampler, cfg, PS, stats)
+    assert sampler.call_counts() == {"policy": 1, "refiner": 1}
+    text = "No critique is available for this action."
+    assert cfg.ablated_critique_text == text
+    assert sampler.calls_for("refiner")[0].messages_batch == [PS.refiner(trans("a").state, "POL(U-a)", text, []),
+                                                               PS.refiner(trans("b").state, "POL(U-b)", text, [])]
+    assert (ex[0].target_text, ex[0].dropped, ex[0].verdict) == ("better", None, None)
+    assert (ex[1].target_text, ex[1].dropped) == ("", "no_verdict")  # no verdict: a is never the target
+    assert ex[0].futures == [] and ex[0].critiques == [] and ex[0].critique_ablated
+    assert (stats.verdict_optimal, stats.verdict_suboptimal, stats.verdict_unparsable) == (0, 0, 0)
+    assert stats.policy_dropped_no_verdict == 1 and stats.policy_dropped_unparsable == 0
+    assert "verdict=ablated" in format_examples_for_humans(ex)
+
+
+def test_config_rejects_contradictory_switches():
+    with pytest.raises(ValueError, match="ablate_critique needs m_refinements"):
+        TargetConfig(ablate_critique=True, m_refinements=0)
+    with pytest.raises(ValueError, match="exclude each other"):
+        TargetConfig(ablate_critique=True, recritique=True)
+
+
+def test_allow_truncated_targets_is_an_explicit_opt_in_for_plumbing_runs():
+    cut = lambda t: Completion(t, "length")  # noqa: E731
+    sampler = make_sampler(policy=cut("Action: ask"), backup=cut("MERGED so far"), refiner=cut("Action: better"))
+    cfg = TargetConfig(allow_truncated_targets=True)
+    stats = TargetStats()
+    crit = build_critic_examples([trans("a", reward=-1.0)], sampler, cfg, PS, stats)
+    pol = build_policy_examples([trans("a")], sampler, cfg, PS, stats)
+    assert crit[0].target_text == "MERGED so far\nOutcome: success; Return: 1" and crit[0].dropped is None
+    assert pol[0].target_text == "better" and pol[0].dropped is None
+    assert stats.dropped_truncated == 0 and TargetConfig().allow_truncated_targets is False

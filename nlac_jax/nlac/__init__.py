@@ -10,7 +10,15 @@ from nlac_jax.nlac.prompts import (
     get_prompt_set,
     render_transcript,
 )
-from nlac_jax.nlac.roles import PARAMS_NAMES, ParamsName, RoleSampler, SamplerCall, ScriptedRoleSampler, group
+from nlac_jax.nlac.roles import (
+    PARAMS_NAMES,
+    Completion,
+    ParamsName,
+    RoleSampler,
+    SamplerCall,
+    ScriptedRoleSampler,
+    group,
+)
 from nlac_jax.nlac.targets import (
     CriticExample,
     PolicyExample,
@@ -37,6 +45,7 @@ __all__ = [
     "DEFAULT_SET",
     "ROLES",
     "PARAMS_NAMES",
+    "Completion",
     "CriticExample",
     "ParamsName",
     "PolicyExample",

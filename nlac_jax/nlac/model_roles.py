@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.nlac.roles import PARAMS_NAMES, ParamsName
+from nlac_jax.nlac.roles import PARAMS_NAMES, Completion, ParamsName
 
 
 @dataclasses.dataclass
@@ -71,8 +71,9 @@ class ModelRoleSampler:
         return table[role] if role in table else table["policy"]
 
     def sample(self, messages_batch: list[list[dict]], params: ParamsName, role: str, n: int = 1,
-               temperature: float | None = None) -> list[str]:
-        """`n` completions per chat prompt, flat and prompt-major (`out[i*n + j]`)."""
+               temperature: float | None = None) -> list[Completion]:
+        """`n` completions per chat prompt, flat and prompt-major (`out[i*n + j]`), each with the sampler's
+        stop reason (so callers can refuse cut-off texts as targets)."""
         if params not in PARAMS_NAMES:
             raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
         if not messages_batch:
@@ -82,7 +83,7 @@ class ModelRoleSampler:
         temp = self._setting(self.temperatures, role) if temperature is None else temperature
         budget = int(self._setting(self.max_new_tokens, role))
         weights = self.get_params(params)
-        out: list[str] = []
+        out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch):
             chunk = prompts[start:start + self.max_batch]
             seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
@@ -91,5 +92,5 @@ class ModelRoleSampler:
             res = self.sampler.generate(weights, chunk, max_new_tokens=budget, temperature=temp, top_p=self.top_p,
                                         stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer)
             self.counters.add(role, len(chunk), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason)
-            out.extend(res.texts)
+            out.extend(Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True))
         return out

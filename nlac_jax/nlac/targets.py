@@ -26,10 +26,25 @@ round i-1), with ``n = k`` for the futures. Choices the paper leaves open, and t
     arithmetic is exact (undiscounted: the language "discount" is the shrinking detail of far events).
   * Success of a terminal step: ``info['success']`` when the environment reports it, else
     ``episode_return > success_threshold``.
-  * Unusable refinement (empty after :func:`~nlac_jax.nlac.verdict.clean_action`, or longer than
-    ``max_action_chars``): skipped; the target is the latest usable refinement of the chain, else the
-    original action a (``refinement_fallbacks`` counts the latter).
-  * Empty backup output: the target falls back to d_{t+1} with the rewritten final line (counted).
+  * Cut-off generations are never targets: a backup, refinement or fresh action that stopped at its token
+    budget or the model context (``Completion.truncated``) is refused (``dropped_truncated``), because text
+    packing would append the end-of-turn token and teach the model to stop mid-thought. Sampled actions are
+    still acted on (the environment judges them) and still critiqued and refined.
+  * Unusable backup (empty, only an Outcome/Return line, or cut off): the critic example is DROPPED
+    (``critic_dropped_backup``); it never falls back to d_{t+1}, which is a forecast of a different (s, a).
+  * Unusable refinement (empty after :func:`~nlac_jax.nlac.verdict.clean_action`, longer than
+    ``max_action_chars``, or cut off): skipped; the target is the latest usable refinement of the chain.
+  * No usable refinement (or ``m_refinements = 0``): the target is a itself only when the evaluator's verdict
+    on a parsed as optimal (and a is usable); otherwise the example is DROPPED (``policy_dropped_rejected``,
+    ``policy_dropped_unparsable``, ...): distilling an action the critic rejected would teach it.
+  * Critique per round (``recritique``, default False = the paper's form: one critique of a, then m chained
+    refiner rounds that see the earlier refinements). With True, each round after the first re-evaluates the
+    latest usable refinement (fresh futures, fresh critique) and the refiner improves THAT action.
+  * Critique ablation (``ablate_critique``): no successor or evaluator call; the refiner gets a fixed
+    uninformative text, and without a verdict only usable refinements are targets.
+
+Dropped examples are still returned (one per input, for aligned logging) with ``dropped`` set to the reason
+and an empty ``target_text``; :func:`trainable` removes them.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ from typing import Callable, Mapping, Sequence
 import gin
 
 from nlac_jax.nlac.prompts import PromptSet, get_prompt_set, render_transcript
-from nlac_jax.nlac.roles import RoleSampler, check_samples, group
+from nlac_jax.nlac.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
 from nlac_jax.nlac.verdict import (
     clean_action,
     outcome_line,
@@ -86,12 +101,21 @@ class TargetConfig:
 
     Attributes:
       k_futures: k, futures sampled from M_θ(s, a) for the evaluator (paper: 1).
-      m_refinements: m, chained refiner rounds (paper: 1). 0 = no refinement: the target is a itself.
+      m_refinements: m, refiner rounds (paper: 1). 0 = no refinement: the target is a itself when the
+        evaluator judged it optimal, else the example is dropped (critic-filtered self-distillation).
+      recritique: with m > 1, each round after the first critiques the latest usable refinement again (k new
+        futures, a new critique) and refines it; False (the paper's form) critiques a once and chains rounds.
+      ablate_critique: no evaluator (and no successor) call; the refiner sees ``ablated_critique_text`` and
+        there is no verdict, so only usable refinements become targets. For the critique ablation.
+      ablated_critique_text: the fixed, uninformative critique shown to the refiner when ablating.
+      allow_truncated_targets: treat cut-off texts as finished. ONLY for plumbing runs with random-weight
+        models, whose texts never end (nothing would be trained); never for real training.
       use_buffer_action: policy examples refine the buffer action a_t instead of a fresh a ~ π_θ(s).
       critic_example_weight / policy_example_weight: per-example ``weight`` written into the examples.
       max_summary_chars: d_{t+1}, futures and d*_t are cut to this many characters (final line kept).
       max_critique_chars: the critique passed to the refiner is cut to this length.
-      max_action_chars: a refinement longer than this is unusable (rambling); sampled actions are not cut.
+      max_action_chars: a refinement (or a, when a would be the target) longer than this is unusable
+        (rambling); sampled actions are never cut for acting.
       max_observation_chars: the environment response shown to the backup keeps its last N characters.
       enforce_outcome_line: exact Bellman arithmetic on the final line (see module docstring).
       success_threshold: terminal success when the environment gives no ``info['success']``.
@@ -102,6 +126,10 @@ class TargetConfig:
 
     k_futures: int = 1
     m_refinements: int = 1
+    recritique: bool = False
+    ablate_critique: bool = False
+    ablated_critique_text: str = "No critique is available for this action."
+    allow_truncated_targets: bool = False
     use_buffer_action: bool = False
     critic_example_weight: float = 1.0
     policy_example_weight: float = 1.0
@@ -120,35 +148,54 @@ class TargetConfig:
             raise ValueError(f"k_futures must be >= 1, got {self.k_futures}")
         if self.m_refinements < 0:
             raise ValueError(f"m_refinements must be >= 0, got {self.m_refinements}")
+        if self.ablate_critique and self.m_refinements == 0:
+            # no verdict and no refinement: every policy example would be dropped
+            raise ValueError("ablate_critique needs m_refinements >= 1 (nothing else can become a target)")
+        if self.ablate_critique and self.recritique:
+            raise ValueError("ablate_critique and recritique exclude each other (there is no critic to re-ask)")
 
 
 @dataclasses.dataclass
 class TargetStats:
-    """Counters accumulated while building targets (pass one object to several builder calls to sum them)."""
+    """Counters accumulated while building targets (pass one object to several builder calls to sum them).
+
+    ``critic_examples`` / ``policy_examples`` count every example returned, dropped ones included; the
+    ``*_dropped_*`` counters say why examples were dropped (see the module docstring).
+    """
 
     sampler_calls: dict = dataclasses.field(default_factory=dict)  # role -> number of sampler calls
     samples: dict = dataclasses.field(default_factory=dict)  # role -> number of generated texts
     critic_examples: int = 0
     terminal_examples: int = 0
     policy_examples: int = 0
-    verdict_optimal: int = 0
+    verdict_optimal: int = 0  # verdicts on a (the first critique of each example only)
     verdict_suboptimal: int = 0
     verdict_unparsable: int = 0
-    refinement_fallbacks: int = 0  # examples whose target fell back to the original action a
-    refinements_unusable: int = 0  # refiner outputs that were empty or too long (all rounds)
-    refinement_unchanged: int = 0  # examples whose target equals a (incl. fallbacks)
+    recritiques: int = 0  # later-round critiques of a refinement (recritique=True)
+    refinements_unusable: int = 0  # refiner outputs that were empty, too long or cut off (all rounds)
+    refinement_unchanged: int = 0  # kept policy examples whose target equals a
     successor_unparsable: int = 0  # d_{t+1} (critic side) without a readable Outcome/Return line
     future_unparsable: int = 0  # policy-side futures without a readable Outcome/Return line
-    backup_fallbacks: int = 0  # empty backup outputs replaced by d_{t+1}
     backup_line_rewritten: int = 0  # backups whose final line differed from the exact Bellman line
     empty_actions: int = 0  # policy samples that were empty after cleaning
-    empty_targets: int = 0  # examples with an empty target_text (drop them with `trainable`)
+    dropped_truncated: int = 0  # cut-off generations refused as targets (backups, refinements, fresh a)
+    critic_dropped_backup: int = 0  # critic examples dropped: backup empty, outcome line only, or cut off
+    policy_dropped_rejected: int = 0  # no usable refinement and the verdict on a was suboptimal
+    policy_dropped_unparsable: int = 0  # no usable refinement and the verdict on a did not parse
+    policy_dropped_no_verdict: int = 0  # no usable refinement and no evaluator (ablate_critique)
+    policy_dropped_action: int = 0  # no usable refinement, a judged optimal but itself unusable (empty/long/cut)
 
     @property
     def frac_optimal(self) -> float:
         """Fraction of parsed verdicts that say optimal (NaN when none parsed)."""
         n = self.verdict_optimal + self.verdict_suboptimal
         return self.verdict_optimal / n if n else math.nan
+
+    @property
+    def policy_dropped(self) -> int:
+        """Policy examples dropped, all reasons."""
+        return (self.policy_dropped_rejected + self.policy_dropped_unparsable + self.policy_dropped_no_verdict
+                + self.policy_dropped_action)
 
     def count_call(self, role: str, n_texts: int) -> None:
         """Records one sampler call for ``role`` that produced ``n_texts`` texts."""
@@ -166,15 +213,24 @@ class TargetStats:
             else:
                 out[f"{prefix}{f.name}"] = float(v)
         out[f"{prefix}frac_optimal"] = self.frac_optimal
+        out[f"{prefix}policy_dropped"] = float(self.policy_dropped)
+        if self.critic_examples:
+            out[f"{prefix}frac_critic_dropped"] = self.critic_dropped_backup / self.critic_examples
         if self.policy_examples:
-            out[f"{prefix}frac_refinement_fallback"] = self.refinement_fallbacks / self.policy_examples
-            out[f"{prefix}frac_refinement_unchanged"] = self.refinement_unchanged / self.policy_examples
+            out[f"{prefix}frac_policy_dropped"] = self.policy_dropped / self.policy_examples
+            kept = self.policy_examples - self.policy_dropped
+            if kept:
+                out[f"{prefix}frac_refinement_unchanged"] = self.refinement_unchanged / kept
         return out
 
 
 @dataclasses.dataclass
 class CriticExample:
-    """successor(s_t, a_t) → d*_t (kind 0), with the intermediate texts for logging."""
+    """successor(s_t, a_t) → d*_t (kind 0), with the intermediate texts for logging.
+
+    ``dropped`` is None for a usable example, else why it must not be trained on ('backup_empty',
+    'backup_truncated'); a dropped example has an empty ``target_text``.
+    """
 
     prompt_messages: list[dict]
     target_text: str
@@ -189,6 +245,8 @@ class CriticExample:
     next_action: str | None = None  # a_{t+1} ~ π_θ (None when terminal)
     next_future: str | None = None  # d_{t+1} ~ M_θ̄ (None when terminal)
     backup_raw: str | None = None  # the backup model's text before the final-line rewrite
+    backup_stop_reason: str | None = None  # why the backup generation stopped (None when terminal)
+    dropped: str | None = None
 
     def to_training_dict(self) -> dict:
         """The fields text packing needs: prompt_messages, target_text, kind, weight."""
@@ -197,7 +255,12 @@ class CriticExample:
 
 @dataclasses.dataclass
 class PolicyExample:
-    """policy(s) → aʳ (kind 1), with the action, futures, critique and refinement chain for logging."""
+    """policy(s) → aʳ (kind 1), with the action, futures, critiques and refinement chain for logging.
+
+    ``dropped`` is None for a usable example, else why it must not be trained on: 'rejected' (no usable
+    refinement, verdict suboptimal), 'verdict_unparsable', 'no_verdict' (critique ablated), 'action_truncated'
+    or 'action_unusable' (verdict optimal but a is cut off / empty / too long). Dropped: empty ``target_text``.
+    """
 
     prompt_messages: list[dict]
     target_text: str
@@ -207,11 +270,16 @@ class PolicyExample:
     state: list[dict] = dataclasses.field(default_factory=list)
     action: str = ""
     action_source: str = "policy"  # 'policy' (fresh sample from π_θ) or 'buffer'
-    futures: list[str] = dataclasses.field(default_factory=list)
-    critique: str = ""
-    verdict: bool | None = None  # parsed from the critique; None = unparsable
+    action_stop_reason: str | None = None  # why the fresh sample of a stopped (None for buffer actions)
+    futures: list[str] = dataclasses.field(default_factory=list)  # d¹..dᵏ of a (empty when ablated)
+    critique: str = ""  # Q_L(s, a), the first critique ("" when ablated)
+    verdict: bool | None = None  # parsed from ``critique``; None = unparsable (or ablated)
+    critiques: list[str] = dataclasses.field(default_factory=list)  # every critique written, in order
+    critiqued_actions: list[str] = dataclasses.field(default_factory=list)  # the action each critique judged
+    critique_ablated: bool = False  # the refiner saw TargetConfig.ablated_critique_text
     refinements: list[str] = dataclasses.field(default_factory=list)  # cleaned refiner outputs, every round
-    fallback: bool = False  # True when no usable refinement: target_text is the original action
+    refinement_stop_reasons: list[str] = dataclasses.field(default_factory=list)  # per round
+    dropped: str | None = None
 
     def to_training_dict(self) -> dict:
         """The fields text packing needs: prompt_messages, target_text, kind, weight."""
@@ -262,15 +330,20 @@ class _PromptResolver:
         return self.cache[task]
 
 
-def _sample(sampler: RoleSampler, prompts: list, params: str, role: str, n: int, stats: TargetStats) -> list[str]:
+def _sample(sampler: RoleSampler, prompts: list, params: str, role: str, n: int, stats: TargetStats) -> list[Completion]:
     """One batched sampler call (skipped when there is nothing to sample). ``n`` is passed only when > 1, so
-    a sampler implementing the 3-argument contract of docs/ARCHITECTURE.md works for k = 1."""
+    a sampler implementing the 3-argument form of the contract works for k = 1."""
     if not prompts:
         return []
     out = sampler.sample(prompts, params, role) if n == 1 else sampler.sample(prompts, params, role, n=n)
     out = check_samples(out, len(prompts) * n, role)
     stats.count_call(role, len(out))
     return out
+
+
+def _cut(stop_reason: str | None, cfg: TargetConfig) -> bool:
+    """True when a generation that stopped for ``stop_reason`` must not become a target."""
+    return stop_reason in TRUNCATED_REASONS and not cfg.allow_truncated_targets
 
 
 def _terminal_success(t: Transition, cfg: TargetConfig) -> bool:
@@ -292,6 +365,7 @@ def build_critic_examples(
 
     Terminal transitions make no model call. Non-terminal ones take exactly three batched sampler calls in
     total (policy under θ, successor under θ̄, backup under θ̄), however many transitions there are.
+    One example per transition; those whose backup is unusable come back with ``dropped`` set.
     ``prompts``: a PromptSet for all, a task->PromptSet mapping, a factory, or None (per ``Transition.task``).
     ``stats`` is updated in place when given.
     """
@@ -335,10 +409,10 @@ def build_critic_examples(
             live.append(i)
 
     if live:
-        # a_{t+1} ~ π_θ(·|s_{t+1})
+        # a_{t+1} ~ π_θ(·|s_{t+1}); a cut-off a_{t+1} is still a sample of what π does next, so it is kept
         next_actions = [
-            clean_action(a)
-            for a in _sample(
+            clean_action(c.text)
+            for c in _sample(
                 sampler, [resolve(transitions[i].task).policy(transitions[i].next_state) for i in live],
                 "policy", "policy", 1, stats,
             )
@@ -346,8 +420,8 @@ def build_critic_examples(
         stats.empty_actions += sum(1 for a in next_actions if not a)
         # d_{t+1} ~ M_θ̄(·|s_{t+1}, a_{t+1})
         next_futures = [
-            truncate_summary(d, cfg.max_summary_chars)
-            for d in _sample(
+            truncate_summary(c.text, cfg.max_summary_chars)
+            for c in _sample(
                 sampler,
                 [resolve(transitions[i].task).successor(transitions[i].next_state, a) for i, a in zip(live, next_actions)],
                 "target", "successor", 1, stats,
@@ -374,20 +448,26 @@ def build_critic_examples(
             )
         backups = _sample(sampler, backup_prompts, "target", "backup", 1, stats)
         for i, a1, d1, line, raw in zip(live, next_actions, next_futures, exact, backups):
-            text = raw.strip()
-            if not strip_outcome_lines(text):
-                stats.backup_fallbacks += 1
-                text = d1
+            ex = out[i]
+            ex.next_action, ex.next_future = a1, d1
+            ex.backup_raw, ex.backup_stop_reason = raw.text, raw.stop_reason
+            text = raw.text.strip()
+            # No fallback to d_{t+1}: it forecasts from (s_{t+1}, a_{t+1}), not (s_t, a_t), and lacks r_t.
+            if _cut(raw.stop_reason, cfg):
+                ex.dropped = "backup_truncated"
+                stats.dropped_truncated += 1
+            elif not strip_outcome_lines(text):
+                ex.dropped = "backup_empty"
+            if ex.dropped:
+                stats.critic_dropped_backup += 1
+                continue
             if cfg.enforce_outcome_line and line is not None:
                 if not text.rstrip().endswith(outcome_line(*line)):
                     stats.backup_line_rewritten += 1
                     text = replace_outcome_line(text, *line)
-            ex = out[i]
             ex.target_text = truncate_summary(text, cfg.max_summary_chars)
-            ex.next_action, ex.next_future, ex.backup_raw = a1, d1, raw
 
     stats.critic_examples += len(out)
-    stats.empty_targets += sum(1 for e in out if not e.target_text.strip())
     return out  # type: ignore[return-value]
 
 
@@ -396,6 +476,24 @@ def build_critic_examples(
 
 def _usable(action: str, cfg: TargetConfig) -> bool:
     return bool(action) and len(action) <= cfg.max_action_chars
+
+
+def _critique(
+    sampler: RoleSampler,
+    cfg: TargetConfig,
+    stats: TargetStats,
+    items: list[tuple[PromptSet, list[dict], str]],
+) -> tuple[list[list[str]], list[str]]:
+    """Futures d¹..dᵏ ~ M_θ(s, a) and a critique E(s, a, d¹..dᵏ) for each (prompt set, state, action):
+    one successor call (n = k) and one evaluator call for all of them. Returns (futures, critiques)."""
+    k = cfg.k_futures
+    flat = _sample(sampler, [ps.successor(s, a) for ps, s, a in items], "policy", "successor", k, stats)
+    futures = [[truncate_summary(c.text, cfg.max_summary_chars) for c in g] for g in group(flat, k)] if flat else []
+    stats.future_unparsable += sum(1 for g in futures for d in g if None in parse_outcome(d))
+    crits = _sample(
+        sampler, [ps.evaluator(s, a, f) for (ps, s, a), f in zip(items, futures)], "policy", "evaluator", 1, stats
+    )
+    return futures, [c.text.strip() for c in crits]
 
 
 def build_policy_examples(
@@ -407,12 +505,14 @@ def build_policy_examples(
     actions: Sequence[str] | None = None,
     tasks: Sequence[str | None] | None = None,
 ) -> list[PolicyExample]:
-    """Critique-and-refine targets for the policy, in input order.
+    """Critique-and-refine targets for the policy, in input order (one example per state, dropped ones marked).
 
     ``states`` are Transitions (their ``state``, ``action`` and ``task`` are used) or bare message lists.
     ``actions`` overrides the buffer actions (required with ``cfg.use_buffer_action`` and bare states);
-    ``tasks`` overrides the per-item task. Sampler calls: 'policy' once (none with buffer actions),
-    'successor' once with n = k, 'evaluator' once, 'refiner' m times; all under θ (``params='policy'``).
+    ``tasks`` overrides the per-item task. Sampler calls, all under θ (``params='policy'``): 'policy' once
+    (none with buffer actions), 'successor' once with n = k and 'evaluator' once (neither with
+    ``ablate_critique``), 'refiner' m times; with ``recritique``, rounds 2..m add one 'successor' and one
+    'evaluator' call each for the examples whose latest usable refinement has not been critiqued yet.
     """
     cfg = cfg or TargetConfig()
     stats = stats if stats is not None else TargetStats()
@@ -445,56 +545,94 @@ def build_policy_examples(
     policy_prompts = [ps.policy(s) for ps, s in zip(sets, msgs)]
 
     # a: the buffer action, or a fresh a ~ π_θ(·|s)
+    act_reasons: list[str | None]
     if cfg.use_buffer_action:
         if any(a is None for a in buffer_actions):
             raise ValueError("use_buffer_action needs Transitions or `actions` for every state")
         acts = [str(a) for a in buffer_actions]
+        act_reasons = [None] * n  # the buffer does not record how its actions' generations stopped
         source = "buffer"
     else:
-        acts = [clean_action(a) for a in _sample(sampler, policy_prompts, "policy", "policy", 1, stats)]
+        sampled = _sample(sampler, policy_prompts, "policy", "policy", 1, stats)
+        acts = [clean_action(c.text) for c in sampled]
+        act_reasons = [c.stop_reason for c in sampled]
         source = "policy"
         stats.empty_actions += sum(1 for a in acts if not a)
 
-    # d¹..dᵏ ~ M_θ(·|s, a)
-    k = cfg.k_futures
-    flat = _sample(sampler, [ps.successor(s, a) for ps, s, a in zip(sets, msgs, acts)], "policy", "successor", k, stats)
-    futures = [[truncate_summary(d, cfg.max_summary_chars) for d in g] for g in group(flat, k)]
-    stats.future_unparsable += sum(1 for g in futures for d in g if None in parse_outcome(d))
+    # d¹..dᵏ ~ M_θ(·|s, a), then Q_L = E(s, a, d¹..dᵏ); or the fixed text when the critique is ablated
+    if cfg.ablate_critique:
+        futures: list[list[str]] = [[] for _ in range(n)]
+        critiques, verdicts = [""] * n, [None] * n
+        shown = [cfg.ablated_critique_text] * n
+    else:
+        futures, critiques = _critique(sampler, cfg, stats, list(zip(sets, msgs, acts)))
+        verdicts = [parse_verdict(c) for c in critiques]
+        stats.verdict_optimal += sum(1 for v in verdicts if v is True)
+        stats.verdict_suboptimal += sum(1 for v in verdicts if v is False)
+        stats.verdict_unparsable += sum(1 for v in verdicts if v is None)
+        shown = [_truncate(c, cfg.max_critique_chars) for c in critiques]
+    all_critiques = [[c] for c in critiques] if not cfg.ablate_critique else [[] for _ in range(n)]
+    critiqued = [[a] for a in acts] if not cfg.ablate_critique else [[] for _ in range(n)]
 
-    # Q_L = E(s, a, d¹..dᵏ)
-    critiques = _sample(
-        sampler, [ps.evaluator(s, a, f) for ps, s, a, f in zip(sets, msgs, acts, futures)], "policy", "evaluator", 1, stats
-    )
-    critiques = [c.strip() for c in critiques]
-    verdicts = [parse_verdict(c) for c in critiques]
-    stats.verdict_optimal += sum(1 for v in verdicts if v is True)
-    stats.verdict_suboptimal += sum(1 for v in verdicts if v is False)
-    stats.verdict_unparsable += sum(1 for v in verdicts if v is None)
-    shown_critiques = [_truncate(c, cfg.max_critique_chars) for c in critiques]
-
-    # aʳ_1..aʳ_m, each round conditioned on the usable refinements so far
+    # aʳ_1..aʳ_m. Paper form: every round refines a under its one critique, seeing the usable refinements so
+    # far. recritique: round i > 1 refines the latest usable refinement under a critique of that refinement.
     chains: list[list[str]] = [[] for _ in range(n)]  # usable refinements
     raws: list[list[str]] = [[] for _ in range(n)]  # every cleaned refiner output
-    for _ in range(cfg.m_refinements):
-        outs = _sample(
-            sampler,
-            [ps.refiner(s, a, c, chain) for ps, s, a, c, chain in zip(sets, msgs, acts, shown_critiques, chains)],
-            "policy", "refiner", 1, stats,
-        )
-        for j, o in enumerate(outs):
-            r = clean_action(o)
+    raw_reasons: list[list[str]] = [[] for _ in range(n)]
+    subject = list(acts)  # the action the refiner is asked to improve (= the one ``shown[j]`` judges)
+    judged = [0] * n  # len(chains[j]) when ``shown[j]`` was written: a longer chain has an unjudged refinement
+    for rnd in range(cfg.m_refinements):
+        if rnd > 0 and cfg.recritique:
+            # only examples with a new usable refinement need a new critique; the others keep theirs
+            redo = [j for j in range(n) if len(chains[j]) > judged[j]]
+            if redo:
+                _, new = _critique(sampler, cfg, stats, [(sets[j], msgs[j], chains[j][-1]) for j in redo])
+                stats.recritiques += len(redo)
+                for j, c in zip(redo, new):
+                    subject[j], judged[j] = chains[j][-1], len(chains[j])
+                    shown[j] = _truncate(c, cfg.max_critique_chars)
+                    all_critiques[j].append(c)
+                    critiqued[j].append(subject[j])
+        if cfg.recritique:
+            ref_prompts = [ps.refiner(s, a, c, []) for ps, s, a, c in zip(sets, msgs, subject, shown)]
+        else:
+            ref_prompts = [ps.refiner(s, a, c, ch) for ps, s, a, c, ch in zip(sets, msgs, acts, shown, chains)]
+        for j, o in enumerate(_sample(sampler, ref_prompts, "policy", "refiner", 1, stats)):
+            r = clean_action(o.text)
             raws[j].append(r)
-            if _usable(r, cfg):
+            raw_reasons[j].append(o.stop_reason)
+            cut = _cut(o.stop_reason, cfg)
+            stats.dropped_truncated += int(cut)
+            if _usable(r, cfg) and not cut:
                 chains[j].append(r)
             else:
                 stats.refinements_unusable += 1
 
     examples = []
     for j in range(n):
-        fallback = cfg.m_refinements > 0 and not chains[j]
-        target = chains[j][-1] if chains[j] else acts[j]
-        stats.refinement_fallbacks += int(fallback)
-        stats.refinement_unchanged += int(target == acts[j])
+        target, dropped = "", None
+        if chains[j]:
+            target = chains[j][-1]
+        elif cfg.ablate_critique:
+            dropped = "no_verdict"
+            stats.policy_dropped_no_verdict += 1
+        elif verdicts[j] is False:
+            dropped = "rejected"
+            stats.policy_dropped_rejected += 1
+        elif verdicts[j] is None:
+            dropped = "verdict_unparsable"
+            stats.policy_dropped_unparsable += 1
+        elif _cut(act_reasons[j], cfg):
+            dropped = "action_truncated"
+            stats.dropped_truncated += 1
+            stats.policy_dropped_action += 1
+        elif not _usable(acts[j], cfg):
+            dropped = "action_unusable"
+            stats.policy_dropped_action += 1
+        else:
+            target = acts[j]  # judged optimal and no usable refinement: distil a itself
+        if dropped is None:
+            stats.refinement_unchanged += int(target == acts[j])
         examples.append(
             PolicyExample(
                 prompt_messages=policy_prompts[j],
@@ -504,15 +642,19 @@ def build_policy_examples(
                 state=msgs[j],
                 action=acts[j],
                 action_source=source,
+                action_stop_reason=act_reasons[j],
                 futures=futures[j],
                 critique=critiques[j],
                 verdict=verdicts[j],
+                critiques=all_critiques[j],
+                critiqued_actions=critiqued[j],
+                critique_ablated=cfg.ablate_critique,
                 refinements=raws[j],
-                fallback=fallback,
+                refinement_stop_reasons=raw_reasons[j],
+                dropped=dropped,
             )
         )
     stats.policy_examples += n
-    stats.empty_targets += sum(1 for e in examples if not e.target_text.strip())
     return examples
 
 
@@ -533,11 +675,10 @@ def build_nlac_examples(
 
 
 def trainable(examples: Sequence[CriticExample | PolicyExample]) -> list[CriticExample | PolicyExample]:
-    """The examples with a non-empty target (text packing rejects empty targets). Builders keep every
-    example so results stay aligned with their inputs; ``TargetStats.empty_targets`` counts the dropped ones.
-    An empty target arises only from degenerate samples: an empty policy action with no usable refinement,
-    or an empty forecast AND an empty backup."""
-    return [e for e in examples if e.target_text.strip()]
+    """The examples to train on: not dropped, with a non-empty target (text packing rejects empty targets).
+    Builders return every example so results stay aligned with their inputs; ``dropped`` says why one is left
+    out, and the ``TargetStats`` drop counters sum them."""
+    return [e for e in examples if e.dropped is None and e.target_text.strip()]
 
 
 # --------------------------------------------------------------------------------------------- logging
@@ -547,11 +688,21 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line if line.strip() else "" for line in (text or "").split("\n"))
 
 
+def _cut_note(reason: str | None) -> str:
+    return f" [cut off: {reason}]" if reason in TRUNCATED_REASONS else ""
+
+
+def _target_lines(e: CriticExample | PolicyExample, label: str) -> list[str]:
+    if e.dropped:
+        return [f"{label}: DROPPED ({e.dropped}), not trained on"]
+    return [f"{label}:", _indent(e.target_text)]
+
+
 def format_examples_for_humans(
     examples: Sequence[CriticExample | PolicyExample], n: int = 4, max_state_chars: int = 1500
 ) -> str:
     """A readable dump of the first ``n`` critic and the first ``n`` policy examples (state tail, action,
-    future summaries, critique + verdict, refinements, target) for the per-iteration log."""
+    future summaries, critiques + verdict, refinements, target or drop reason) for the per-iteration log."""
     critic = [e for e in examples if isinstance(e, CriticExample)][:n]
     policy = [e for e in examples if isinstance(e, PolicyExample)][:n]
     parts: list[str] = []
@@ -562,22 +713,31 @@ def format_examples_for_humans(
             lines += ["ENVIRONMENT RESPONSE:", _indent(e.next_observation)]
         if not e.terminal:
             lines += ["NEXT ACTION a_{t+1} (π_θ):", _indent(e.next_action or ""), "NEXT FUTURE d_{t+1} (M_θ̄):", _indent(e.next_future or "")]
-        lines += ["TARGET d*_t:", _indent(e.target_text)]
+            if e.dropped:  # the rejected backup text is what needs reading
+                lines += [f"BACKUP OUTPUT{_cut_note(e.backup_stop_reason)}:", _indent(e.backup_raw or "(empty)")]
+        lines += _target_lines(e, "TARGET d*_t")
         parts.append("\n".join(lines))
     for idx, e in enumerate(policy):
-        verdict = {True: "optimal", False: "suboptimal", None: "unparsable"}[e.verdict]
+        verdict = "ablated" if e.critique_ablated else {True: "optimal", False: "suboptimal", None: "unparsable"}[e.verdict]
         lines = [
             f"=== policy example {idx} (task={e.task}, action from {e.action_source}, verdict={verdict}) ===",
             "STATE:",
             _indent(render_transcript(e.state, max_chars=max_state_chars)),
-            "ACTION a:",
+            f"ACTION a{_cut_note(e.action_stop_reason)}:",
             _indent(e.action),
         ]
         for fi, f in enumerate(e.futures):
             lines += [f"FUTURE d^{fi + 1} (M_θ):", _indent(f)]
-        lines += ["CRITIQUE Q_L:", _indent(e.critique)]
-        for ri, r in enumerate(e.refinements):
-            lines += [f"REFINEMENT round {ri + 1}:", _indent(r if r else "(empty/unusable)")]
-        lines += [f"TARGET aʳ{' (fallback to a)' if e.fallback else ''}:", _indent(e.target_text)]
+        if e.critique_ablated:
+            lines += ["CRITIQUE Q_L: (ablated: the refiner saw a fixed uninformative text)"]
+        for ci, (c, judged) in enumerate(zip(e.critiques, e.critiqued_actions)):
+            if ci == 0:
+                lines += ["CRITIQUE Q_L:", _indent(c)]
+            else:
+                lines += [f"RE-CRITIQUE {ci} of:", _indent(judged), "  ->", _indent(c)]
+        reasons = e.refinement_stop_reasons or [None] * len(e.refinements)
+        for ri, (r, why) in enumerate(zip(e.refinements, reasons)):
+            lines += [f"REFINEMENT round {ri + 1}{_cut_note(why)}:", _indent(r if r else "(empty/unusable)")]
+        lines += _target_lines(e, "TARGET aʳ")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) if parts else "(no examples)"

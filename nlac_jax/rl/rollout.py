@@ -14,7 +14,7 @@ import numpy as np
 
 from nlac_jax.envs.base import BatchedRunner, EnvBase, Episode, episode_metrics
 from nlac_jax.nlac.prompts import PromptSet
-from nlac_jax.nlac.roles import RoleSampler
+from nlac_jax.nlac.roles import RoleSampler, check_samples, texts
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
 from nlac_jax.rl.transitions import Transition, transitions_from_episode
 
@@ -25,10 +25,11 @@ def make_policy_fn(sampler: RoleSampler, prompts: PromptSet, params: str = "poli
     def policy_fn(histories: list) -> list:
         batch = [prompts.policy(h) for h in histories]
         if temperature is None:
-            texts = sampler.sample(batch, params, "policy")
+            outs = sampler.sample(batch, params, "policy")
         else:
-            texts = sampler.sample(batch, params, "policy", temperature=temperature)
-        return [clean_action(t) for t in texts]
+            outs = sampler.sample(batch, params, "policy", temperature=temperature)
+        # a cut-off action is still acted on: the environment decides what an incomplete utterance is worth
+        return [clean_action(c.text) for c in check_samples(outs, len(batch), "policy")]
     return policy_fn
 
 
@@ -70,7 +71,8 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     out = {"calib/n": len(items)}
     if not items:
         return out
-    futures = sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor")
+    futures = texts(check_samples(
+        sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor"), len(items), "successor"))
     parsed = [parse_outcome(f) for f in futures]
     ok_ret = [(r, rtg) for (_, r), (_, _, rtg, _) in zip(parsed, items) if r is not None]
     ok_succ = [(s, succ) for (s, _), (_, _, _, succ) in zip(parsed, items) if s is not None]
@@ -85,8 +87,9 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     known = [i for i, t in enumerate(truth) if t is not None]
     out["verdict/n"] = len(known)
     if known:
-        critiques = sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known],
-                                   params, "evaluator")
+        critiques = texts(check_samples(
+            sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known], params,
+                           "evaluator"), len(known), "evaluator"))
         verdicts = [parse_verdict(c) for c in critiques]
         scored = [(v, truth[i]) for v, i in zip(verdicts, known) if v is not None]
         out["verdict/parse_rate"] = len(scored) / len(known)
