@@ -36,8 +36,13 @@ class LoopConfig:
     episodes_per_iteration: training episodes collected per iteration; env_pool: env instances played at once.
     buffer_capacity: replay buffer size (FIFO).
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each kind.
-    train_steps: optimiser steps per iteration; batch_size: examples per step (mixed kinds, cycled through the
-      iteration's shuffled examples); max_len: tokens per example (prompts are left-truncated, counted).
+    train_steps: optimiser steps per iteration. None = one pass over the iteration's fresh targets
+      (ceil(examples / batch_size) steps, the last batch partly padding); an integer cycles through the shuffled
+      examples for that many steps (so each target is reused train_steps * batch_size / examples times, logged as
+      train/updates_per_target). batch_size: examples per step (mixed kinds).
+    max_len: tokens per example (prompt + target). Every role prompt is fitted to max_len minus the longest target
+      it is sampled with or trained on (text.PromptFitter: middle messages of the state are elided, the system
+      prompt and task never); the run refuses to start when an initial prompt cannot fit.
     eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out tasks (fixed set);
       eval_temperature: 0 = greedy; calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
@@ -55,7 +60,7 @@ class LoopConfig:
     buffer_capacity: int = 10_000
     critic_examples: int = 8
     policy_examples: int = 8
-    train_steps: int = 2
+    train_steps: int | None = 2
     batch_size: int = 8
     max_len: int = 1024
     eval_every: int = 2
@@ -123,6 +128,75 @@ class ExternalModel:
         return out
 
 
+# ----------------------------------------------------------------------------- prompt lengths at start-up
+STARTUP_TASKS = 4  # tasks per split whose initial state the start-up check renders
+
+# Short stand-ins for the texts role prompts quote besides the state: the start-up check measures the part that
+# cannot be elided (system prompt + task), and the real texts are bounded by TargetConfig's character limits.
+_DUMMY = {"action": "I will proceed.", "next_observation": "OK.", "next_action": "I will continue.",
+          "future": "The agent continues and finishes the task.\nOutcome: success; Return: 1",
+          "critique": "The action is reasonable.\nVerdict: optimal"}
+
+
+def initial_states(env_factory, task_source, n_tasks: int = STARTUP_TASKS) -> list[tuple[str, list]]:
+    """(task id, initial state) for the first `n_tasks` tasks of the train and eval splits.
+
+    The envs are built with the scripted oracle / user (whatever the run uses): resetting them costs no model call,
+    and the scripted τ-bench user's first message (the scenario's reason for calling) stands in for the model's.
+    """
+    from nlac_jax import envs
+    f = env_factory
+    env = envs.EnvFactory(f.env_name, oracle="scripted", user="scripted", max_turns=f.max_turns,
+                          object_list_path=f.object_list_path)()
+    out, seen = [], set()
+    for split in dict.fromkeys((task_source.train_split, task_source.eval_split)):
+        for task in task_source.tasks(split)[:n_tasks]:
+            if task.id not in seen:
+                seen.add(task.id)
+                out.append((task.id, env.reset(task)))
+    return out
+
+
+def initial_role_prompts(prompt_set, state: list) -> dict[str, list]:
+    """Every chat role's prompt for `state` with short dummy action / future / critique texts (role -> messages)."""
+    d = _DUMMY
+    return {
+        "policy": prompt_set.policy(state),
+        "successor": prompt_set.successor(state, d["action"]),
+        "backup": prompt_set.backup(state, d["action"], 0.0, d["next_observation"], d["next_action"], d["future"],
+                                    (True, 1.0)),
+        "evaluator": prompt_set.evaluator(state, d["action"], [d["future"]]),
+        "refiner": prompt_set.refiner(state, d["action"], d["critique"], []),
+    }
+
+
+def check_initial_prompts(states: list[tuple[str, list]], prompt_set, fitter, task: str | None = None) -> dict:
+    """Start-up check: every role's prompt for every initial state must fit its budget (`fitter.budgets`).
+
+    Returns role -> the largest initial prompt in tokens. Raises ValueError (one line: task, task id, role, tokens
+    needed, budget, max_len and the gin knob) when the part that can never be elided does not fit.
+    """
+    from nlac_jax import text
+    saved, prompt_set.fitter = prompt_set.fitter, None  # measure unfitted: the initial state has nothing to elide
+    try:
+        worst: dict[str, int] = {}
+        for task_id, state in states:
+            for role, messages in initial_role_prompts(prompt_set, state).items():
+                n = fitter.count_tokens(messages)
+                worst[role] = max(worst.get(role, 0), n)
+                budget = fitter.budgets.get(role)
+                if budget is not None and n > budget:
+                    need = "" if fitter.max_len is None else f" (max_len >= {n + fitter.max_len - budget} needed)"
+                    raise text.PromptTooLongError(
+                        f"start-up check: task {task!r} (task id {task_id!r}): the initial {role!r} prompt (system "
+                        f"prompt + first user message, which are never elided) needs {n} tokens, but "
+                        f"LoopConfig.max_len={fitter.max_len} leaves {budget} for it after the longest target"
+                        f"{need}; {fitter.hint}")
+        return worst
+    finally:
+        prompt_set.fitter = saved
+
+
 # ----------------------------------------------------------------------------- the run
 class _Holder:
     """The current TrainState (the step donates the old one, so roles read it through this holder)."""
@@ -154,6 +228,7 @@ class NLACRun:
         self.prompts = prompts_lib.PromptSet(task=self.env_name)
         self.mesh = sharding.make_mesh()
         self.cfg, self.tokenizer, model_dir = build_model()
+        self._fit_prompts()
         self.optimizer = training.make_optimizer()
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
         self.checkpointer = training.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -206,6 +281,24 @@ class NLACRun:
         self._np = np
         self._jax = jax
 
+    def _fit_prompts(self) -> None:
+        """The one prompt-fitting rule for acting and training, then the start-up check (before any weights load)."""
+        from nlac_jax import text
+        from nlac_jax.nlac import prompts as prompts_lib
+        max_len, context = self.loop.max_len, self.cfg.max_position_embeddings
+        if context and max_len > context:
+            raise ValueError(f"LoopConfig.max_len={max_len} exceeds the model context (max_position_embeddings="
+                             f"{context}); lower LoopConfig.max_len")
+        if self.loop.train_steps is not None and self.loop.train_steps < 1:
+            raise ValueError(f"LoopConfig.train_steps must be >= 1 or None (one pass), got {self.loop.train_steps}")
+        budgets = prompts_lib.prompt_budgets(max_len, self.target_cfg.max_new_tokens)
+        self.fitter = text.PromptFitter(self.tokenizer, budgets, max_len=max_len)
+        self.prompts.fitter = self.fitter
+        states = initial_states(self.env_factory, self.task_source)
+        self.initial_prompt_tokens = check_initial_prompts(states, self.prompts, self.fitter, task=self.env_name)
+        log.info("initial prompt tokens (task %s, max over %d initial states) / budget: %s", self.env_name,
+                 len(states), ", ".join(f"{r} {n}/{budgets[r]}" for r, n in self.initial_prompt_tokens.items()))
+
     def _task_source(self):
         from nlac_jax import data, envs
         if self.loop.seqio_task is None:
@@ -217,17 +310,35 @@ class NLACRun:
         return data.task_source_from_seqio(self.loop.seqio_task)
 
     # ------------------------------------------------------------------ one iteration
-    def _pack(self, examples, rng):
+    def _pack(self, examples, rng) -> tuple[list, dict]:
+        """Token batches for this iteration's train steps, and their metrics.
+
+        Prompts were fitted by the PromptSet (their budget leaves room for the longest generated target + the
+        turn-end token), so only a target longer than the sampler could have written (e.g. a terminal summary that
+        quotes a long final observation) can overflow max_len: such examples are dropped and counted
+        (train/dropped_examples), never cut. train_steps=None: one pass (ceil(n / B) steps, the last batch padded
+        with dummy rows); an integer: that many steps cycling through the shuffled examples.
+        Metrics: train/examples (n), train/updates_per_target (example rows used / n), train/dropped_examples.
+        """
         from nlac_jax import text
         items = [text.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
-        order = rng.permutation(len(items)) if items else []
-        items = [items[i] for i in order]
-        B, pad = self.loop.batch_size, self.tokenizer.pad_token_id or 0
+        kept = [x for x in items if len(x.prompt_ids) + len(x.target_ids) <= self.loop.max_len]
+        if len(kept) < len(items):
+            log.warning("%d of %d examples are longer than LoopConfig.max_len=%d (target too long): dropped",
+                        len(items) - len(kept), len(items), self.loop.max_len)
+        order = rng.permutation(len(kept)) if kept else []
+        items = [kept[i] for i in order]
+        n, B, pad = len(items), self.loop.batch_size, self.tokenizer.pad_token_id or 0
         batches = []
-        for s in range(self.loop.train_steps):
-            chunk = [items[(s * B + j) % len(items)] for j in range(min(B, len(items)))]
-            batches.append(text.pack_examples(chunk, self.loop.max_len, pad_id=pad, batch_size=B))
-        return batches
+        if n:
+            if self.loop.train_steps is None:
+                chunks = [items[s:s + B] for s in range(0, n, B)]
+            else:
+                chunks = [[items[(s * B + j) % n] for j in range(min(B, n))] for s in range(self.loop.train_steps)]
+            batches = [text.pack_examples(c, self.loop.max_len, pad_id=pad, batch_size=B) for c in chunks]
+        used = sum(b.num_examples for b in batches)
+        return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
+                         "train/dropped_examples": len(examples) - n}
 
     def iteration(self, it: int, bars) -> tuple[dict, str]:
         """One NLAC iteration. Returns (metrics, human-readable example dump)."""
@@ -239,6 +350,7 @@ class NLACRun:
         # collect
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(loop.seed, it, "collect"))
+        self.fitter.reset_counters()
         bars("collect")
         tasks = self.cursor.take(loop.episodes_per_iteration)
         episodes, transitions = rollout.collect(self.envs, tasks, rollout.make_policy_fn(self.roles, self.prompts),
@@ -246,6 +358,7 @@ class NLACRun:
         self.buffer.add(transitions)
         m.update({f"collect/{k}": v for k, v in episode_metrics(episodes).items()})
         m.update(self.roles.counters.as_dict("collect/gen/"))
+        m.update(self.fitter.reset_counters().as_dict("collect/prompt/"))
         m.update(self.buffer.stats())
         m["time/collect"] = time.perf_counter() - t0
 
@@ -262,6 +375,7 @@ class NLACRun:
         examples = targets.trainable(critic + policy)
         m.update(stats.as_dict("nlac/"))
         m.update(self.roles.counters.as_dict("targets/gen/"))
+        m.update(self.fitter.reset_counters().as_dict("targets/prompt/"))
         m["time/targets"] = time.perf_counter() - t0
         dump = targets.format_examples_for_humans(critic + policy, n=loop.dump_examples)
 
@@ -269,11 +383,12 @@ class NLACRun:
         t0 = time.perf_counter()
         bars("train")
         sums: dict = {}
-        n_trunc = n_tokens = 0
-        if examples:
-            for batch in self._pack(examples, rng):
+        n_tokens = 0
+        batches, pack_metrics = self._pack(examples, rng)
+        m.update(pack_metrics)
+        if batches:
+            for batch in batches:
                 self.holder.state, metrics = self.step_fn(self.holder.state, batch)
-                n_trunc += batch.num_truncated
                 for k, v in self._jax.device_get(metrics).items():
                     sums.setdefault(k, []).append(float(v))
                 n_tokens += int(batch.attention_mask.sum())
@@ -286,7 +401,6 @@ class NLACRun:
                 m[f"train/{k}"] = float(np.sum(sums[k]))
         m["train/steps"] = len(sums.get("loss", []))
         m["train/step"] = int(self._jax.device_get(self.holder.state.step))
-        m["train/truncated_examples"] = n_trunc
         m["time/train"] = time.perf_counter() - t0
         m["train/tokens_per_s"] = n_tokens / max(m["time/train"], 1e-9)
 
@@ -299,11 +413,13 @@ class NLACRun:
         from nlac_jax.rl import rollout
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(self.loop.seed, it, "eval"))
+        self.fitter.reset_counters()
         bars("eval")
         m, _ = rollout.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
                                 params=params, temperature=self.loop.eval_temperature,
                                 calibration_transitions=self.loop.calibration_transitions,
                                 max_turns=self.loop.max_turns)
+        m.update(self.fitter.reset_counters().as_dict("eval/prompt/"))
         m["time/eval"] = time.perf_counter() - t0
         return m
 

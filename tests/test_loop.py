@@ -25,7 +25,7 @@ TINY = [
     "LoopConfig.train_steps = 2",
     "LoopConfig.eval_episodes = 2",
     "LoopConfig.calibration_transitions = 2",
-    "LoopConfig.max_len = 512",
+    "LoopConfig.max_len = 640",  # the toy evaluator prompt needs ~541 tiny-tokenizer tokens (start-up check)
     "nlac.TargetConfig.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
 ]
 
@@ -38,6 +38,8 @@ REQUIRED_METRICS = [
     "eval/calib/return_mae", "eval/calib/actual_return_to_go", "eval/verdict/n", "eval/verdict/accuracy",
     "time/collect", "time/targets", "time/train", "time/eval",
     "collect/gen/policy/tokens_per_s", "targets/gen/successor/tokens_per_s",
+    "train/examples", "train/updates_per_target", "collect/prompt/elided_prompts", "targets/prompt/elided_messages",
+    "eval/prompt/elided_prompts",
 ]
 
 
@@ -71,6 +73,7 @@ def test_one_iteration_end_to_end_8_devices(tmp_path):
     assert not missing, f"metrics.jsonl lacks {missing}"
     r = rows[0]
     assert r["train/step"] == 2 and r["train/critic_tokens"] > 0 and r["train/policy_tokens"] > 0
+    assert r["train/updates_per_target"] == 2.0  # 2 steps over <= 8 examples, batch 8: each used twice
     assert np.isfinite(r["train/l1"]) and np.isfinite(r["train/l2"])
     assert r["buffer/size"] >= 4 and r["eval/num_episodes"] == 1  # N=8 with test_every=5: one test task
     assert r["eval/verdict/n"] >= 1  # the toy task knows optimal actions
@@ -175,3 +178,28 @@ def test_every_run_gin_file_parses(tmp_path):
             train.load_gin([f"gin/runs/{f}"], [f"MODEL_DIR = '{model_dir}'"] if "qwen" in f else [])
         finally:
             gin.clear_config()
+
+
+def test_pack_one_pass_and_updates_per_target():
+    import types
+
+    import numpy as np_
+    from nlac_jax import loop, tiny
+
+    class Ex:  # what targets.trainable returns, as far as packing is concerned
+        def __init__(self, i, target="Is it a cat?"):
+            self.d = {"prompt_messages": [{"role": "user", "content": f"question {i}"}], "target_text": target,
+                      "kind": i % 2, "weight": 1.0}
+
+        def to_training_dict(self):
+            return self.d
+
+    tok = tiny.make_tiny_tokenizer()
+    examples = [Ex(i) for i in range(10)] + [Ex(99, target="word " * 300)]  # the last cannot fit max_len
+    run = types.SimpleNamespace(loop=loop.LoopConfig(train_steps=None, batch_size=4, max_len=128), tokenizer=tok)
+    batches, m = loop.NLACRun._pack(run, examples, np_.random.default_rng(0))
+    assert [b.num_examples for b in batches] == [4, 4, 2] and all(b.shape[0] == 4 for b in batches)
+    assert m == {"train/examples": 10, "train/updates_per_target": 1.0, "train/dropped_examples": 1}
+    run.loop = loop.LoopConfig(train_steps=5, batch_size=4, max_len=128)  # explicit: cycles, reuses
+    batches, m = loop.NLACRun._pack(run, examples, np_.random.default_rng(0))
+    assert len(batches) == 5 and m["train/updates_per_target"] == 5 * 4 / 10

@@ -483,3 +483,97 @@ def test_toy_evaluator_rule_is_the_envs_optimality_rule():
         c = 2 ** (r - 1) - 1
         x, y = max(lo, min(lo + c, hi - c)), min(hi, max(lo + c, hi - c))
         assert set(range(x, y + 1)) == env.optimal_actions(st), guesses
+
+
+# ------------------------------------------------------------------------------------------ prompt fitting
+
+
+def _long_state(turns=100):
+    state = [{"role": "system", "content": "You are playing 20 Questions. Find the hidden object. " * 3},
+             {"role": "user", "content": "Ask your first question."}]
+    for i in range(turns):
+        state += [{"role": "assistant", "content": f"Is it thing number {i}?"},
+                  {"role": "user", "content": f"No, it is not thing number {i}."}]
+    return state
+
+
+def test_prompt_budgets_reserve_the_longest_target_of_each_prompt():
+    b = P.prompt_budgets(4096, {"policy": 100, "successor": 200, "backup": 300, "evaluator": 50, "refiner": 400})
+    # policy prompt -> refinement target; successor prompt -> d* from the backup; +1 for the turn-end token
+    assert b == {"policy": 4096 - 401, "successor": 4096 - 301, "backup": 4096 - 301, "evaluator": 4096 - 51,
+                 "refiner": 4096 - 401}
+    assert P.prompt_budgets(1000, {"policy": 10})["evaluator"] == 989  # missing roles use the policy entry
+
+
+def test_every_role_is_fitted_and_acting_equals_training():
+    from nlac_jax import text, tiny
+    from nlac_jax.nlac import targets
+    from nlac_jax.nlac.roles import ScriptedRoleSampler
+    from nlac_jax.rl import rollout
+    from nlac_jax.rl.transitions import Transition
+
+    tok = tiny.make_tiny_tokenizer()
+    ps = P.PromptSet(task="twenty_questions")
+    state = _long_state()
+    max_len = 2200
+    new = {"policy": 8, "successor": 16, "backup": 16, "evaluator": 16, "refiner": 8}
+    budgets = P.prompt_budgets(max_len, new)
+    ps.fitter = text.PromptFitter(tok, budgets, max_len=max_len)
+    sampler = ScriptedRoleSampler({"policy": "Is it a cat?", "successor": "It ends.\nOutcome: failure; Return: -20",
+                                   "evaluator": "Fine.\nVerdict: optimal", "refiner": "Is it a dog?"})
+    # acting: the rollout's policy_fn
+    rollout.make_policy_fn(sampler, ps)([state])
+    acting = sampler.calls_for("policy")[0].messages_batch[0]
+    # training: the policy example built from the buffer transition of that same state
+    t = Transition(state=state, action="Is it a cat?", reward=-1.0, next_state=None, done=True, task="twenty_questions")
+    ex = targets.build_policy_examples([t], sampler, targets.TargetConfig(), ps)[0]
+    assert ex.prompt_messages == acting
+    assert "earlier messages omitted to fit the context" in acting[1]["content"] and acting[0] == state[0]
+    assert acting[-1] == state[-1] and len(acting) < len(state)
+    # and it packs at max_len with the refinement target: nothing left to cut
+    packed = text.pack_examples([text.chat_example(tok, **ex.to_training_dict())], max_len)
+    assert packed.num_truncated == 0
+    # every chat role fits its own budget
+    rendered = {
+        "policy": ps.policy(state),
+        "successor": ps.successor(state, "Is it a cat?"),
+        "backup": ps.backup(state, "Is it a cat?", -1.0, "No.", "Is it a dog?", "It ends.\nOutcome: failure; Return: -19",
+                            (False, -20.0)),
+        "evaluator": ps.evaluator(state, "Is it a cat?", ["It ends.\nOutcome: failure; Return: -20"]),
+        "refiner": ps.refiner(state, "Is it a cat?", "Fine.\nVerdict: optimal", ["Is it a dog?"]),
+    }
+    for role, messages in rendered.items():
+        assert len(text.encode_chat(tok, messages)) <= budgets[role], role
+    assert set(ps.fitter.counters.elided_prompts) == set(P.CHAT_ROLES)
+
+
+def test_startup_check_refuses_an_impossible_max_len_naming_the_role():
+    from nlac_jax import envs, loop, text, tiny
+
+    tok = tiny.make_tiny_tokenizer()
+    factory, source = envs.EnvFactory("toy"), envs.make_task_source(env_name="toy")
+    states = loop.initial_states(factory, source, n_tasks=2)
+    assert len(states) == 4 and all(s[0]["role"] == "system" for _, s in states)
+    ps = P.PromptSet(task="toy")
+    new = {"policy": 8, "successor": 32, "backup": 32, "evaluator": 32, "refiner": 8}
+    ok = text.PromptFitter(tok, P.prompt_budgets(4096, new), max_len=4096)
+    worst = loop.check_initial_prompts(states, ps, ok, task="toy")
+    assert set(worst) == set(P.CHAT_ROLES) and all(n > 0 for n in worst.values())
+    # the evaluator prompt is the longest for the toy task: a max_len just below what it needs is refused
+    tight = worst["evaluator"] + 32 + 1 - 1
+    small = text.PromptFitter(tok, P.prompt_budgets(tight, new), max_len=tight)
+    with pytest.raises(ValueError) as err:
+        loop.check_initial_prompts(states, ps, small, task="toy")
+    msg = str(err.value)
+    assert "\n" not in msg and "start-up check" in msg and "'evaluator'" in msg and "'toy'" in msg
+    assert f"needs {worst['evaluator']} tokens" in msg and f"max_len={tight}" in msg and "LoopConfig.max_len" in msg
+    assert ps.fitter is None  # the check leaves the PromptSet as it found it
+
+
+def test_run_refuses_to_start_when_max_len_is_too_small(tmp_path):
+    from nlac_jax import loop, train
+
+    train.load_gin(["gin/runs/demo_cpu.gin"], ["LoopConfig.max_len = 200"])
+    with pytest.raises(ValueError, match=r"start-up check: task 'toy'.*initial '(policy|successor|backup|evaluator|refiner)'"):
+        loop.NLACRun(str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -278,7 +278,7 @@ def test_loss_mask_covers_exactly_the_target(tok):
     assert d["input_ids"] is batch.input_ids
 
 
-def test_prompt_is_left_truncated_target_kept(tok):
+def test_prompt_is_left_truncated_target_kept_when_asked(tok):
     long_user = " ".join(f"Question {i}: is it bigger than a car? No." for i in range(40))
     target_text = "Is it a book? I think the answer is a book."
     ex_long = text.chat_example(tok, _msgs(long_user), target_text)
@@ -286,7 +286,7 @@ def test_prompt_is_left_truncated_target_kept(tok):
     max_len = 64
     P, L = len(ex_long.prompt_ids), len(ex_long.target_ids)
     assert P + L > max_len  # the case must really need truncation
-    batch = text.pack_examples([ex_short, ex_long], max_len=max_len)
+    batch = text.pack_examples([ex_short, ex_long], max_len=max_len, truncate=True)
     _check_contract(batch)
     assert batch.shape == (2, max_len)
     assert batch.num_truncated == 1
@@ -310,9 +310,22 @@ def test_target_too_long_raises_with_lengths():
     msg = str(err.value)
     assert "example 1" in msg and "16" in msg and "max_len=16" in msg and "3" in msg
     # max_len - 1 target tokens still fit, with exactly one prompt token kept
-    batch = text.pack_examples([text.Example([1, 2, 3], list(range(10, 25)))], max_len=16)
+    batch = text.pack_examples([text.Example([1, 2, 3], list(range(10, 25)))], max_len=16, truncate=True)
     assert batch.input_ids[0].tolist() == [3] + list(range(10, 25))
     assert (batch.num_truncated, batch.tokens_dropped) == (1, 2)
+
+
+def test_over_long_example_is_refused_by_default(tok):
+    # Cutting the prompt's left here would drop the system prompt and train on a prompt the policy never saw.
+    ex_ok = text.Example([1, 2, 3], [4, 5])
+    ex_long = text.Example(list(range(100, 112)), [4, 5, 6, 7, 8])  # 12 + 5 = 17 > 16
+    with pytest.raises(ValueError) as err:
+        text.pack_examples([ex_ok, ex_long], max_len=16)
+    msg = str(err.value)
+    assert "example 1" in msg and "12 prompt" in msg and "5 target" in msg and "max_len=16" in msg
+    assert "\n" not in msg
+    batch = text.pack_examples([ex_ok, text.Example(list(range(100, 111)), [4, 5, 6, 7, 8])], max_len=16)
+    assert batch.num_truncated == 0 and batch.shape == (2, 16)  # exactly max_len still fits
 
 
 def test_empty_prompt_or_target_raises():
@@ -387,3 +400,109 @@ def test_left_pad():
     assert ids.tolist() == [[3, 3], [1, 2]] and mask.tolist() == [[0, 0], [1, 1]]
     with pytest.raises(ValueError, match="sequence 2 has 5 tokens"):
         text.left_pad(seqs, pad_id=0, length=4)
+
+
+# ---------------------------------------------------------------------------------------------- prompt fitting
+
+
+def _long_state(turns=30):
+    state = [{"role": "system", "content": "You are playing 20 Questions. Find the hidden object."},
+             {"role": "user", "content": "Ask your first question."}]
+    for i in range(turns):
+        state += [{"role": "assistant", "content": f"Is it thing number {i}?"},
+                  {"role": "user", "content": f"No, it is not thing number {i}."}]
+    return state
+
+
+def _as_is(state):
+    return [dict(m) for m in state]
+
+
+def test_fitter_keeps_head_and_latest_turns_with_fewest_elisions(tok):
+    state = _long_state()
+    full = text.encode_chat(tok, state)
+    budget = len(full) // 2
+    fitter = text.PromptFitter(tok, {"policy": budget}, max_len=budget + 9)
+    out = fitter.fit("policy", state, _as_is, task="twenty_questions")
+    n_tokens = len(text.encode_chat(tok, out))
+    assert n_tokens <= budget
+    # head: the system message untouched, the first user message kept with the marker appended (where the
+    # elided messages were)
+    assert out[0] == state[0]
+    n = len(state) - len(out)
+    assert out[1]["content"] == state[1]["content"] + f"\n\n[... {n} earlier messages omitted to fit the context ...]"
+    # the latest turns, whole and in order; roles still alternate (the cut falls on an agent turn)
+    assert out[2:] == state[2 + n:]
+    assert n % 2 == 0 and out[2]["role"] == "assistant"
+    assert [m["role"] for m in out[1:]] == ["user"] + ["assistant", "user"] * ((len(out) - 2) // 2)
+    # fewest: eliding one turn (two messages) less does not fit
+    fewer = text.elide_messages(state, n - 2)
+    assert len(text.encode_chat(tok, fewer)) > budget
+    assert fitter.counters.elided_prompts == {"policy": 1}
+    assert fitter.counters.elided_messages == {"policy": n}
+    assert text.elision_cuts(state) == list(range(2, len(state) - 2, 2))
+
+
+def test_fitter_fits_a_budget_exactly(tok):
+    # Budget = the exact token count of the state with 10 messages elided: that cut, and no shallower one.
+    state = _long_state()
+    exact = len(text.encode_chat(tok, text.elide_messages(state, 10)))
+    fitter = text.PromptFitter(tok, {"successor": exact})
+    out = fitter.fit("successor", state, _as_is)
+    assert len(text.encode_chat(tok, out)) == exact
+    assert out == text.elide_messages(state, 10)
+    out_minus = text.PromptFitter(tok, {"successor": exact - 1}).fit("successor", state, _as_is)
+    assert len(state) - len(out_minus) == 12
+
+
+def test_fitter_leaves_short_prompts_alone_without_tokenizing(tok):
+    state = _long_state(2)
+    fitter = text.PromptFitter(tok, {"policy": 10_000})
+    assert fitter.fit("policy", state, _as_is) == state
+    c = fitter.counters
+    assert c.prompts == {"policy": 1} and c.tokenized == {} and c.elided_prompts == {}
+    # roles without a budget are never fitted (nor counted)
+    assert text.PromptFitter(tok, {}).fit("evaluator", _long_state(), _as_is) == _long_state()
+
+
+def test_fitter_refuses_when_even_the_head_does_not_fit(tok):
+    state = _long_state()
+    state[0] = {"role": "system", "content": "A very long policy document. " * 200}
+    fitter = text.PromptFitter(tok, {"evaluator": 300}, max_len=812)
+    with pytest.raises(text.PromptTooLongError) as err:
+        fitter.fit("evaluator", state, _as_is, task="tau_retail")
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in msg
+    assert "'evaluator'" in msg and "'tau_retail'" in msg and "300" in msg and "LoopConfig.max_len" in msg
+    needed = len(text.encode_chat(tok, text.elide_messages(state, text.elision_cuts(state)[-1])))
+    assert f"needs {needed} tokens" in msg
+    with pytest.raises(ValueError, match="budgets must be >= 1"):
+        text.PromptFitter(tok, {"policy": 0}, max_len=512)
+
+
+def test_fitter_counters_count_and_reset(tok):
+    fitter = text.PromptFitter(tok, {"policy": 200, "successor": 10_000})
+    state = _long_state()
+    for _ in range(3):
+        fitter.fit("policy", state, _as_is)
+    fitter.fit("successor", state, _as_is)
+    fitter.fit("policy", _long_state(1), _as_is)
+    d = fitter.counters.as_dict("collect/prompt/")
+    per = len(state) - len(fitter.fit("policy", state, _as_is))
+    assert d["collect/prompt/prompts"] == 5
+    assert d["collect/prompt/elided_prompts"] == 3 and d["collect/prompt/elided_prompts/policy"] == 3
+    assert d["collect/prompt/elided_messages"] == 3 * per
+    old = fitter.reset_counters()
+    assert old.elided_prompts["policy"] == 4 and fitter.counters.as_dict()["prompt/elided_prompts"] == 0
+
+
+def test_elide_messages_edge_cases():
+    state = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
+             {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    out = text.elide_messages(state, 2)  # no head: the marker becomes a leading user message
+    assert out[0] == {"role": "user", "content": "[... 2 earlier messages omitted to fit the context ...]"}
+    assert out[1:] == state[2:]
+    with pytest.raises(ValueError, match="cannot elide"):
+        text.elide_messages(state, 4)
+    assert text.elide_messages(state, 0) == state
+    assert text.elision_cuts([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == []

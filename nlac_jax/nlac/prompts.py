@@ -55,6 +55,8 @@ __all__ = [
     "get_prompt_set",
     "available_prompt_sets",
     "render_transcript",
+    "prompt_budgets",
+    "TARGET_ROLES",
 ]
 
 # Roles whose prompt is sent to the model (values of RoleSampler's `role` argument), then the text-only one.
@@ -211,6 +213,32 @@ def _check_roles(d: Mapping, what: str) -> None:
         raise ValueError(f"{what}: unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
 
 
+# ------------------------------------------------------------------------------------------ prompt budgets
+
+# The roles whose generations can be the training target (or the generation) of each role's prompt: the policy
+# prompt is trained on refinements, the successor prompt on d* (a backup, or a successor forecast as fallback).
+TARGET_ROLES = {
+    "policy": ("policy", "refiner"),
+    "successor": ("successor", "backup"),
+    "backup": ("backup",),
+    "evaluator": ("evaluator",),
+    "refiner": ("refiner",),
+}
+
+
+def prompt_budgets(max_len: int, max_new_tokens: Mapping[str, int]) -> dict[str, int]:
+    """Per-role prompt token budgets for ``text.PromptFitter``: ``max_len`` minus the longest target the role's
+    prompt is sampled with or trained on (``TARGET_ROLES``), minus 1 for the turn-end token training appends.
+
+    ``max_new_tokens``: role -> generation budget (``nlac.TargetConfig.max_new_tokens``; missing roles use the
+    ``'policy'`` entry, as the sampler does). Budgets may be < 1; ``PromptFitter`` refuses them.
+    """
+    def new(role: str) -> int:
+        return int(max_new_tokens[role] if role in max_new_tokens else max_new_tokens["policy"])
+
+    return {role: int(max_len) - max(new(r) for r in targets) - 1 for role, targets in TARGET_ROLES.items()}
+
+
 @gin.configurable(module="nlac")
 class PromptSet:
     """The prompts of all roles for one task family.
@@ -226,6 +254,11 @@ class PromptSet:
       template_dirs: extra template roots searched before the packaged ``templates/``.
       transcript_labels: labels for :func:`render_transcript` (e.g. ``{'user': 'CUSTOMER'}``).
       max_transcript_chars: keep only the last N characters of long transcripts (None: full history).
+
+    ``fitter`` (attribute, default None; the loop sets a ``text.PromptFitter``): every chat role method passes its
+    state through ``fitter.fit`` so that the rendered prompt fits the role's token budget. Acting (rollouts call
+    ``policy``) and training (targets call ``policy`` / ``successor``) share this object, so a state always gets
+    the same prompt in both.
     """
 
     def __init__(
@@ -241,6 +274,7 @@ class PromptSet:
         self.template_dirs = tuple(Path(d) for d in template_dirs)
         self.transcript_labels = dict(transcript_labels or {})
         self.max_transcript_chars = max_transcript_chars
+        self.fitter = None  # a text.PromptFitter, or None: no fitting (tests, tools)
         merged: dict[str, Any] = {}
         for t, d in (task_overrides or {}).items():
             _check_roles(d, f"task_overrides[{t!r}]")
@@ -289,11 +323,20 @@ class PromptSet:
         """Renders ``role``'s template with exactly ``fields`` (no defaults); missing fields raise."""
         return self._templates[role].render_messages(**fields)
 
+    def _fitted(self, role: str, state: Sequence[Mapping], render: Callable[[list], list[dict]]) -> list[dict]:
+        """``render(state)``, or the fitter's version of it with middle messages of ``state`` elided."""
+        if self.fitter is None:
+            return render([dict(m) for m in state])
+        return self.fitter.fit(role, [dict(m) for m in state], render, task=self.task)
+
     # --- the roles ----------------------------------------------------------------------------------------
 
     def policy(self, state: Sequence[Mapping]) -> list[dict]:
         """The policy prompt: the state messages themselves (copied), plus the policy template's text as a
         system hint when it renders non-empty (appended to the first system message, or a new one)."""
+        return self._fitted("policy", state, self._policy_messages)
+
+    def _policy_messages(self, state: Sequence[Mapping]) -> list[dict]:
         messages = [dict(m) for m in state]
         hint = self._templates["policy"].render_text(**self._common(state))
         if hint:
@@ -305,7 +348,7 @@ class PromptSet:
 
     def successor(self, state: Sequence[Mapping], action: str) -> list[dict]:
         """M(s, a): asks for a forecast of the rest of the episode, ending ``Outcome: ...; Return: ...``."""
-        return self.render("successor", action=action, **self._common(state))
+        return self._fitted("successor", state, lambda s: self.render("successor", action=action, **self._common(s)))
 
     def backup(
         self,
@@ -327,16 +370,15 @@ class PromptSet:
             next_observation = render_transcript(
                 next_observation, self.transcript_labels, empty="(the environment sent no message)"
             )
-        return self.render(
-            "backup",
+        fields = dict(
             action=action,
             reward=format_return(reward),
             next_observation=next_observation,
             next_action=next_action,
             next_future=next_future,
             target_line=None if target is None else outcome_line(*target),
-            **self._common(state),
         )
+        return self._fitted("backup", state, lambda s: self.render("backup", **fields, **self._common(s)))
 
     def evaluator(self, state: Sequence[Mapping], action: str, futures: Sequence[str]) -> list[dict]:
         """E(s, a, d¹..dᵏ): asks for a critique ending ``Verdict: optimal`` or ``Verdict: suboptimal``."""
@@ -344,19 +386,17 @@ class PromptSet:
             futures = [futures]
         if not futures:
             raise ValueError("the evaluator needs at least one future summary")
-        return self.render("evaluator", action=action, futures=list(futures), **self._common(state))
+        futures = list(futures)
+        return self._fitted(
+            "evaluator", state, lambda s: self.render("evaluator", action=action, futures=futures, **self._common(s))
+        )
 
     def refiner(
         self, state: Sequence[Mapping], action: str, critique: str, previous_refinements: Sequence[str] = ()
     ) -> list[dict]:
         """π_r(s, a, Q_L, earlier refinements): asks for the improved action text only."""
-        return self.render(
-            "refiner",
-            action=action,
-            critique=critique,
-            previous_refinements=list(previous_refinements),
-            **self._common(state),
-        )
+        fields = dict(action=action, critique=critique, previous_refinements=list(previous_refinements))
+        return self._fitted("refiner", state, lambda s: self.render("refiner", **fields, **self._common(s)))
 
     def terminal_summary(
         self, reward: float, episode_return: float, success: bool, final_observation: str | None = None
