@@ -204,7 +204,8 @@ class _Holder:
 
 
 def _phase_seed(seed: int, iteration: int, phase: str) -> int:
-    return (seed * 1_000_003 + iteration) * 16 + PHASES.index(phase)
+    """A non-negative seed per (seed, iteration, phase); iteration -1 is the evaluation before any training."""
+    return (seed * 1_000_003 + iteration + 1) * 16 + PHASES.index(phase)
 
 
 class NLACRun:
@@ -215,7 +216,7 @@ class NLACRun:
         import numpy as np
         from nlac_jax import envs, sampling, sharding, training
         from nlac_jax.models import hf_io
-        from nlac_jax.nlac import model_roles, prompts as prompts_lib, targets
+        from nlac_jax.nlac import algorithm, model_roles, prompts as prompts_lib, targets
         from nlac_jax.rl import ReplayBuffer
 
         self.workdir = os.path.abspath(workdir)
@@ -236,6 +237,7 @@ class NLACRun:
                                                   keep=self.loop.keep_checkpoints)
         self.holder = _Holder()
         self.buffer = ReplayBuffer(self.loop.buffer_capacity)
+        self.learner = algorithm.NLAC()  # the default learner (the experiments plug in others)
         self.cursor = self.task_source.iterate(self.task_source.train_split, seed=self.loop.seed)
         self.start_iteration = 0
 
@@ -340,26 +342,25 @@ class NLACRun:
         return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
                          "train/dropped_examples": len(examples) - n}
 
-    def iteration(self, it: int, bars) -> tuple[dict, str]:
-        """One NLAC iteration. Returns (metrics, human-readable example dump)."""
+    def iteration(self, it: int, bars, learner=None) -> tuple[dict, str]:
+        """One iteration: collect → examples → train (→ eval). `learner` (default: NLAC, see nlac/algorithm.py) picks
+        the iteration's tasks and turns its episodes into training examples. Returns (metrics, example dump)."""
         from nlac_jax.envs.base import episode_metrics
-        from nlac_jax.nlac import targets
         from nlac_jax.rl import rollout
         np, loop, m = self._np, self.loop, {"iteration": it + 1}
+        learner = learner or self.learner
 
         # collect
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(loop.seed, it, "collect"))
         self.fitter.reset_counters()
         bars("collect")
-        tasks = self.cursor.take(loop.episodes_per_iteration)
+        tasks = learner.take_tasks(self, loop.episodes_per_iteration)
         episodes, transitions = rollout.collect(self.envs, tasks, rollout.make_policy_fn(self.roles, self.prompts),
                                                 task_name=self.env_name, max_turns=loop.max_turns)
-        self.buffer.add(transitions)
         m.update({f"collect/{k}": v for k, v in episode_metrics(episodes).items()})
         m.update(self.roles.counters.as_dict("collect/gen/"))
         m.update(self.fitter.reset_counters().as_dict("collect/prompt/"))
-        m.update(self.buffer.stats())
         m["time/collect"] = time.perf_counter() - t0
 
         # targets
@@ -367,17 +368,10 @@ class NLACRun:
         self.roles.start_phase(_phase_seed(loop.seed, it, "targets"))
         bars("targets")
         rng = np.random.default_rng([loop.seed, it, 7])
-        critic_t = self.buffer.sample(min(loop.critic_examples, len(self.buffer)), rng)
-        policy_t = self.buffer.sample(min(loop.policy_examples, len(self.buffer)), rng)
-        stats = targets.TargetStats()
-        critic = targets.build_critic_examples(critic_t, self.roles, self.target_cfg, self.prompts, stats)
-        policy = targets.build_policy_examples(policy_t, self.roles, self.target_cfg, self.prompts, stats)
-        examples = targets.trainable(critic + policy)
-        m.update(stats.as_dict("nlac/"))
+        examples, dump = learner.examples(self, it, episodes, transitions, rng, m)
         m.update(self.roles.counters.as_dict("targets/gen/"))
         m.update(self.fitter.reset_counters().as_dict("targets/prompt/"))
         m["time/targets"] = time.perf_counter() - t0
-        dump = targets.format_examples_for_humans(critic + policy, n=loop.dump_examples)
 
         # train
         t0 = time.perf_counter()

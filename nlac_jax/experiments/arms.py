@@ -1,0 +1,151 @@
+"""The arms of the unit-scale experiment: NLAC, its two ablations, and two baselines (RFT, GRPO).
+
+Every arm is a learner (`nlac_jax.nlac.algorithm.Learner`) plugged into the same `loop.NLACRun`, so all arms
+share the sampler, the train step, the episode budget per iteration, the optimiser steps per iteration and the
+held-out evaluation; they differ only in which examples the episodes become:
+
+==================  ==========================================================================================
+arm                 training examples per iteration
+==================  ==========================================================================================
+warm_start          none (the warm start, evaluated at the same points)
+nlac                L1: language Bellman backups; L2: critique + refinement, distilled (paper defaults k=m=1)
+nlac_no_critique    as nlac, but the refiner sees an uninformative critique (`TargetConfig.ablate_critique`)
+nlac_frozen_critic  as nlac, but no critic examples: the successor model gets no L1 update
+rft                 SFT on (state, action) of the policy's own successful episodes (a FIFO of past successes)
+grpo                each task played `group_size` times; every action of an episode is a policy example
+                    weighted by its group-relative advantage (R - mean) / (std + eps); one pass, no reuse
+==================  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from nlac_jax.nlac import targets
+from nlac_jax.nlac.algorithm import NLAC
+
+__all__ = ["ARMS", "SFTExample", "RFT", "GRPO", "make_learner", "group_advantages"]
+
+ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo")
+
+
+@dataclasses.dataclass
+class SFTExample:
+    """policy(s) → a with a per-example weight (kind 1: trained by the step's L2 term)."""
+
+    prompt_messages: list
+    target_text: str
+    weight: float = 1.0
+    kind: int = targets.KIND_POLICY
+
+    def to_training_dict(self) -> dict:
+        """The fields text packing needs."""
+        return {"prompt_messages": self.prompt_messages, "target_text": self.target_text, "kind": self.kind,
+                "weight": self.weight}
+
+
+def _dump(examples: Sequence[SFTExample], n: int) -> str:
+    parts = []
+    for i, e in enumerate(examples[:n]):
+        state = "\n".join(f"[{m['role']}] {m['content']}" for m in e.prompt_messages[-4:])
+        parts.append(f"=== policy example {i} (weight {e.weight:+.3f}) ===\n{state}\nTARGET:\n    {e.target_text}")
+    return "\n\n".join(parts) if parts else "(no examples)"
+
+
+@dataclasses.dataclass
+class RFT:
+    """Rejection-sampling fine-tuning: clone the actions of successful episodes (kept in a FIFO of `capacity`
+    (state, action) pairs across iterations); `policy_examples` of them are sampled per iteration."""
+
+    policy_examples: int = 32
+    capacity: int = 2048
+    name: str = "rft"
+
+    def __post_init__(self):
+        self._pairs: collections.deque = collections.deque(maxlen=self.capacity)
+
+    def take_tasks(self, run: Any, n: int) -> list:
+        return run.cursor.take(n)
+
+    def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict):
+        wins = [ep for ep in episodes if ep.success]
+        for ep in wins:
+            for t in ep.transitions:
+                self._pairs.append((t.state_messages, t.action))
+        k = min(self.policy_examples, len(self._pairs))
+        idx = rng.choice(len(self._pairs), size=k, replace=False) if k else []
+        out = [SFTExample(run.prompts.policy(self._pairs[int(i)][0]), self._pairs[int(i)][1]) for i in idx]
+        out = [e for e in out if e.target_text.strip()]
+        metrics.update({"rft/successful_episodes": len(wins), "rft/pairs": len(self._pairs), "rft/examples": len(out)})
+        return out, _dump(out, run.loop.dump_examples)
+
+
+def group_advantages(returns: Sequence[float], eps: float = 1e-6) -> list[float]:
+    """GRPO's group-relative advantages (R_i - mean) / (std + eps); all zero when the group's returns are equal."""
+    r = np.asarray(returns, np.float64)
+    std = float(r.std())
+    if std < eps:
+        return [0.0] * len(r)
+    return [float(x) for x in (r - r.mean()) / (std + eps)]
+
+
+@dataclasses.dataclass
+class GRPO:
+    """Group-relative policy optimisation without a learned value: each task is played `group_size` times in the
+    iteration; each action is a policy example weighted by its episode's advantage (zero-advantage groups give
+    no example). At most `max_examples` examples (sampled) are used, each once ("one update per batch")."""
+
+    group_size: int = 4
+    max_examples: int = 64
+    name: str = "grpo"
+
+    def take_tasks(self, run: Any, n: int) -> list:
+        groups = max(1, n // self.group_size)
+        return [t for t in run.cursor.take(groups) for _ in range(self.group_size)]
+
+    def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict):
+        by_task: dict = collections.defaultdict(list)
+        for ep in episodes:
+            by_task[ep.task.id].append(ep)
+        out: list[SFTExample] = []
+        informative = 0
+        for eps in by_task.values():
+            adv = group_advantages([ep.total_return for ep in eps])
+            informative += int(any(a != 0.0 for a in adv))
+            for ep, a in zip(eps, adv):
+                if a == 0.0:
+                    continue
+                for t in ep.transitions:
+                    if t.action.strip():
+                        out.append(SFTExample(run.prompts.policy(t.state_messages), t.action, weight=a))
+        if len(out) > self.max_examples:
+            keep = sorted(rng.choice(len(out), size=self.max_examples, replace=False))
+            out = [out[int(i)] for i in keep]
+        metrics.update({"grpo/groups": len(by_task), "grpo/informative_groups": informative,
+                        "grpo/examples": len(out),
+                        "grpo/mean_abs_weight": float(np.mean([abs(e.weight) for e in out])) if out else math.nan})
+        return out, _dump(out, run.loop.dump_examples)
+
+
+def make_learner(arm: str, run: Any, group_size: int = 4):
+    """The learner of `arm` for `run` (a fresh object: learners with memory, like RFT's FIFO, start empty).
+    `warm_start` returns None (the arm does not train)."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; arms are {list(ARMS)}")
+    if arm == "warm_start":
+        return None
+    if arm == "nlac":
+        return NLAC()
+    if arm == "nlac_no_critique":
+        return NLAC(target_cfg=dataclasses.replace(run.target_cfg, ablate_critique=True), name=arm)
+    if arm == "nlac_frozen_critic":
+        return NLAC(critic_examples=0, name=arm)
+    budget = run.loop.critic_examples + run.loop.policy_examples  # same example budget as NLAC's two losses
+    if arm == "rft":
+        return RFT(policy_examples=budget)
+    return GRPO(group_size=group_size, max_examples=budget)

@@ -1,0 +1,52 @@
+"""Gin configuration of the unit-scale experiment (its own module so `python -m ...unit_scale` registers it once)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+from nlac_jax.experiments.arms import ARMS
+from nlac_jax.experiments.corpus import DEFAULT_MIX
+
+
+@gin.configurable(module="experiments")
+@dataclasses.dataclass(frozen=True)
+class UnitScaleConfig:
+    """The unit-scale experiment: a warm start from a scripted corpus, then every arm from it, per seed.
+
+    Arms (see `nlac_jax.experiments.arms`) share everything the run's gin file sets (model, LoopConfig budgets:
+    episodes per iteration, critic/policy examples, optimiser steps and batch, evaluation tasks); `iterations`
+    here replaces LoopConfig.iterations. Held-out evaluation: LoopConfig.eval_episodes test tasks, greedy, every
+    `eval_every` iterations and before the first (iteration 0 = the warm start).
+
+    corpus_*: the toy corpus (`corpus.toy_corpus`: train tasks only); n is the game's N.
+    warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
+      WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns.
+    """
+
+    arms: tuple = ARMS
+    seeds: tuple = (0, 1, 2)
+    iterations: int = 8
+    eval_every: int = 2
+    grpo_group_size: int = 4
+    n: int = 32
+    corpus_episodes: int = 400
+    corpus_seed: int = 0
+    corpus_mix: tuple = DEFAULT_MIX
+    warm_steps: int = 600
+    warm_batch_size: int = 32
+    warm_learning_rate: float = 3e-3
+    warm_max_len: int = 1024
+    warm_seed: int = 0
+
+    def __post_init__(self):
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise ValueError(f"UnitScaleConfig.arms: unknown arm(s) {unknown}; arms are {list(ARMS)}")
+        if not self.seeds:
+            raise ValueError("UnitScaleConfig.seeds is empty")
+        for name in ("iterations", "eval_every", "grpo_group_size", "n", "corpus_episodes", "warm_steps",
+                     "warm_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"UnitScaleConfig.{name} must be >= 1, got {getattr(self, name)!r}")

@@ -1,0 +1,276 @@
+"""`python -m nlac_jax.experiments.unit_scale --gin_file=gin/experiments/unit_toy.gin --workdir=DIR`
+
+The unit-scale learning experiment (README, "Does NLAC learn?"):
+
+1. **Warm start** (cached in DIR/warm_start): a scripted corpus for every NLAC role on TRAIN tasks only
+   (`experiments.corpus`), learned by the project's own train step (`experiments.warm_start`).
+2. **Arms** (`experiments.arms`), each from the warm start, per seed, at an equal budget of episodes and optimiser
+   steps per iteration: warm_start, nlac, nlac_no_critique, nlac_frozen_critic, rft, grpo. All arms run in ONE
+   process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
+3. **Outputs** in DIR: `results.md` (held-out success and return, mean ± std over seeds, per arm; critic
+   diagnostics; seconds per arm), `learning_curves.png`, `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
+   and `progress.log`. A rerun with the same DIR skips finished (arm, seed) pairs, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+import gin
+import numpy as np
+
+log = logging.getLogger("nlac_jax.experiments.unit_scale")
+
+DONE = "done.json"
+WARM_DIR = "warm_start"
+
+
+def _progress(workdir: str, msg: str) -> None:
+    line = f"{time.strftime('%H:%M:%S')} {msg}"
+    print(line, flush=True)
+    with open(os.path.join(workdir, "progress.log"), "a") as f:
+        f.write(line + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- warm start
+def build_warm_start(workdir: str, xcfg) -> str:
+    """DIR/warm_start as an HF directory (built once; a finished one is reused). Returns its path."""
+    from nlac_jax import loop
+    from nlac_jax.experiments import corpus, warm_start
+    out = os.path.join(workdir, WARM_DIR)
+    if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
+        _progress(workdir, f"warm start: reusing {out}")
+        return out
+    t0 = time.perf_counter()
+    examples = corpus.toy_corpus(xcfg.n, xcfg.corpus_episodes, xcfg.corpus_seed, mix=xcfg.corpus_mix)
+    stats = corpus.corpus_stats(examples)
+    model_cfg, tok, _ = loop.build_model(model_dir=None)
+    history: list = []
+    state = warm_start.train_warm_start(model_cfg, tok, examples, xcfg.warm_steps, xcfg.warm_batch_size,
+                                        xcfg.warm_learning_rate, xcfg.warm_seed, xcfg.warm_max_len,
+                                        log_every=max(1, xcfg.warm_steps // 10), history=history)
+    seconds = time.perf_counter() - t0
+    tmp = out + ".tmp"
+    warm_start.save_warm_start(state, model_cfg, tok, tmp, metadata={
+        "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg)})
+    os.replace(tmp, out)  # the metadata file marks a complete warm start: never reuse a half-written one
+    last = history[-1] if history else {}
+    _progress(workdir, f"warm start: {len(examples)} corpus examples, {xcfg.warm_steps} steps in {seconds:.0f} s "
+                       f"(final L1 {last.get('train/l1', math.nan):.3f}, L2 {last.get('train/l2', math.nan):.3f})")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- arms
+def _fresh_state(run, warm_params, seed: int):
+    import jax
+    from nlac_jax import training
+    params = jax.tree.map(np.array, warm_params)  # a private copy: the new state takes over its buffers
+    return training.create_train_state(run.cfg, run.mesh, run.optimizer, params=params, seed=seed,
+                                       donate_params=True)
+
+
+def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> None:
+    """Point the shared run at a new (arm, seed): warm-start θ = θ̄, fresh optimiser, buffer and task cursor."""
+    from nlac_jax.rl import ReplayBuffer
+    run.loop = dataclasses.replace(run.base_loop, seed=seed, iterations=iterations, eval_every=eval_every)
+    run.holder.state = _fresh_state(run, warm_params, seed)
+    run.buffer = ReplayBuffer(run.loop.buffer_capacity)
+    run.cursor = run.task_source.iterate(run.task_source.train_split, seed=seed)
+    run.roles.seed = seed
+
+
+def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_eval: dict) -> list[dict]:
+    """Iterations of one arm from the warm start; returns its metric rows (row 0 = the warm start's evaluation)."""
+    from nlac_jax.experiments import arms
+    _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
+    rows = [{"iteration": 0, **initial_eval}]
+    learner = arms.make_learner(arm, run, group_size=xcfg.grpo_group_size)
+    if learner is not None:
+        os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
+        for it in range(xcfg.iterations):
+            m, dump = run.iteration(it, lambda phase: None, learner=learner)
+            rows.append(m)
+            with open(os.path.join(out_dir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
+                f.write(dump)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in r.items()}, sort_keys=True) + "\n")
+    return rows
+
+
+def _read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [{k: (math.nan if v is None else v) for k, v in json.loads(line).items()} for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------- report
+TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
+              ("collect/success_rate", "train success (last iter)"), ("eval/verdict/accuracy", "verdict accuracy"),
+              ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
+              ("eval/calib/return_mae", "calibration MAE"))
+
+
+def _final(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return vals[-1] if vals else math.nan
+
+
+def _mean_std(xs: list[float]) -> str:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return "–"
+    return f"{np.mean(xs):.3f} ± {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def results_table(results: dict, seconds: dict, reference: dict | None = None) -> str:
+    """Markdown: per arm, the final value of each TABLE_KEYS metric as mean ± std over seeds (population std)."""
+    head = "| arm | seeds | " + " | ".join(n for _, n in TABLE_KEYS) + " | seconds per seed |"
+    lines = [head, "|" + "---|" * (len(TABLE_KEYS) + 3)]
+    for arm, per_seed in results.items():
+        cells = [_mean_std([_final(rows, k) for rows in per_seed.values()]) for k, _ in TABLE_KEYS]
+        secs = [seconds.get(arm, {}).get(s, math.nan) for s in per_seed]
+        lines.append(f"| {arm} | {len(per_seed)} | " + " | ".join(cells) + f" | {_mean_std(secs)} |")
+    if reference:
+        lines.append("")
+        lines.append("References on the held-out tasks (scripted, one episode per task): " +
+                     ", ".join(f"{k} {v:.3f}" for k, v in reference.items() if k != "episodes"))
+    return "\n".join(lines)
+
+
+def _curves(ax, results: dict, key: str, title: str) -> None:
+    for arm, per_seed in results.items():
+        series = {}
+        for rows in per_seed.values():
+            for r in rows:
+                v = r.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    series.setdefault(r["iteration"], []).append(v)
+        if not series:
+            continue
+        xs = sorted(series)
+        mu = np.array([np.mean(series[x]) for x in xs])
+        sd = np.array([np.std(series[x]) for x in xs])
+        (line,) = ax.plot(xs, mu, marker="o", label=arm)
+        ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=line.get_color())
+    ax.set_title(title)
+    ax.set_xlabel("iteration")
+    if ax.lines:
+        ax.legend(fontsize=7)
+
+
+def plot_results(results: dict, workdir: str) -> tuple[str, str]:
+    """learning_curves.png (held-out and train success, held-out return) and critic_curves.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for name, panels in (
+        ("learning_curves.png", (("eval/success_rate", "held-out success (greedy)"),
+                                 ("collect/success_rate", "train success (sampled)"),
+                                 ("eval/mean_return", "held-out return"))),
+        ("critic_curves.png", (("eval/calib/return_mae", "calibration MAE (return-to-go)"),
+                               ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
+                               ("eval/verdict/predicted_optimal", "fraction judged optimal"),
+                               ("eval/verdict/truly_optimal", "fraction truly optimal"))),
+    ):
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+        for ax, (key, title) in zip(axes, panels):
+            _curves(ax, results, key, title)
+        fig.suptitle("unit-scale experiment: mean ± std over seeds")
+        fig.tight_layout()
+        path = os.path.join(workdir, name)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def run_experiment(workdir: str) -> dict:
+    """Warm start (cached), every (arm, seed) not yet done, then the table and the plots. Returns the results."""
+    import jax
+    from nlac_jax import loop
+    from nlac_jax.experiments import corpus
+    from nlac_jax.experiments.config import UnitScaleConfig
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    xcfg = UnitScaleConfig()
+    with open(os.path.join(workdir, "config.gin"), "w") as f:
+        f.write(gin.config_str())
+    warm_dir = build_warm_start(workdir, xcfg)
+    with gin.unlock_config():
+        gin.bind_parameter("build_model.model_dir", warm_dir)
+    t0 = time.perf_counter()
+    run = loop.NLACRun(os.path.join(workdir, "run"), restore=False)
+    run.base_loop = run.loop
+    warm_params = jax.device_get(run.holder.state.params)
+    _progress(workdir, f"shared run built in {time.perf_counter() - t0:.0f} s; arms {list(xcfg.arms)}, "
+                       f"seeds {list(xcfg.seeds)}, {xcfg.iterations} iterations")
+
+    results: dict = {a: {} for a in xcfg.arms}
+    seconds: dict = {a: {} for a in xcfg.arms}
+    for seed in xcfg.seeds:
+        initial = None
+        for arm in xcfg.arms:
+            out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
+            done = os.path.join(out_dir, DONE)
+            if os.path.isfile(done):
+                results[arm][seed] = _read_rows(os.path.join(out_dir, "metrics.jsonl"))
+                seconds[arm][seed] = json.load(open(done))["seconds"]
+                continue
+            os.makedirs(out_dir, exist_ok=True)
+            if initial is None:  # the warm start's evaluation: the same for every arm of this seed
+                _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
+                initial = run.evaluate(-1)
+            t1 = time.perf_counter()
+            rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
+            secs = time.perf_counter() - t1
+            results[arm][seed], seconds[arm][seed] = rows, secs
+            with open(done, "w") as f:
+                json.dump({"seconds": secs}, f)
+            _progress(workdir, f"{arm} seed {seed}: held-out success {_final(rows, 'eval/success_rate'):.3f} "
+                               f"(warm start {initial.get('eval/success_rate', math.nan):.3f}), {secs:.0f} s")
+    tasks = run.eval_tasks
+    reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
+    table = results_table(results, seconds, reference)
+    curves, critic = plot_results(results, workdir)
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+        f.write(f"# Unit-scale experiment ({len(tasks)} held-out tasks, greedy evaluation)\n\n{table}\n\n"
+                f"![learning curves]({os.path.basename(curves)})\n![critic curves]({os.path.basename(critic)})\n")
+    run.checkpointer.close()
+    _progress(workdir, f"results: {os.path.join(workdir, 'results.md')}")
+    print("\n" + table)
+    return {"results": results, "seconds": seconds, "reference": reference, "table": table}
+
+
+def main(argv=None) -> int:
+    from nlac_jax import train
+    p = argparse.ArgumentParser(prog="python -m nlac_jax.experiments.unit_scale", description=__doc__.split("\n")[0])
+    p.add_argument("--gin_file", action="append", default=[], required=True)
+    p.add_argument("--gin_param", action="append", default=[])
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--compilation_cache", default=os.path.join(os.path.expanduser("~"), ".cache", "nlac_jax", "xla"))
+    flags = p.parse_args(argv)
+    train.setup_logging()
+    import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
+    train.load_gin(flags.gin_file, flags.gin_param)
+    from nlac_jax.experiments.config import UnitScaleConfig
+    try:
+        UnitScaleConfig()
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"gin configuration error: {e}") from None
+    train.enable_compilation_cache(flags.compilation_cache)
+    run_experiment(flags.workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
