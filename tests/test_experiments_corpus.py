@@ -159,3 +159,13 @@ def test_warm_start_smoke(tmp_path):
     assert cfg2.vocab_size == cfg.vocab_size and cfg2.num_layers == 2
     np.testing.assert_allclose(np.asarray(params["embed"]["embedding"]),
                                np.asarray(state.params["embed"]["embedding"]), rtol=0, atol=0)
+
+
+def test_explicit_task_source_split():
+    """Another split rule (the experiment's test_every=2) is honoured: train ids only, all of them odd."""
+    source = GuessNumberTaskSource(32, test_every=2)
+    ex = C.toy_corpus(32, 20, seed=0, task_source=source, alternatives_per_state=0)
+    targets = {int(e.task_id.rsplit("-", 1)[1]) for e in ex}
+    assert targets and all(t % 2 == 1 for t in targets)
+    with pytest.raises(ValueError):
+        C.toy_corpus(100, 1, seed=0, task_source=source)

@@ -393,8 +393,16 @@ def build_toy_examples(tasks: Sequence[Task], n: int, num_episodes: int, seed: i
     return out
 
 
-def _train_tasks(n: int) -> list[Task]:
-    source = GuessNumberTaskSource(n)
+def _source(n: int, task_source: Optional[GuessNumberTaskSource]) -> GuessNumberTaskSource:
+    # Built here (not at import) so gin bindings such as GuessNumberTaskSource.test_every apply.
+    source = task_source if task_source is not None else GuessNumberTaskSource(n)
+    if source.n != n:
+        raise ValueError(f"task_source has n={source.n}, the corpus n={n}")
+    return source
+
+
+def _train_tasks(n: int, task_source: Optional[GuessNumberTaskSource] = None) -> list[Task]:
+    source = _source(n, task_source)
     tasks = source.tasks("train")
     held_out = {t.id for t in source.tasks("test")}
     assert all(t.split == "train" and t.id not in held_out for t in tasks), "corpus must use train tasks only"
@@ -402,16 +410,19 @@ def _train_tasks(n: int) -> list[Task]:
 
 
 def toy_corpus(n: int, num_episodes: int, seed: int, mix: Sequence[float] = DEFAULT_MIX,
-               max_turns: Optional[int] = None, **kwargs) -> list[CorpusExample]:
-    """The warm-start corpus: :func:`build_toy_examples` over ``GuessNumberTaskSource(n).tasks('train')`` only
-    (asserted: no held-out task id can appear). ``kwargs`` go to :func:`build_toy_examples`."""
-    return build_toy_examples(_train_tasks(n), n, num_episodes, seed, mix, max_turns, **kwargs)
+               max_turns: Optional[int] = None, task_source: Optional[GuessNumberTaskSource] = None,
+               **kwargs) -> list[CorpusExample]:
+    """The warm-start corpus: :func:`build_toy_examples` over the TRAIN split only of ``task_source`` (default
+    ``GuessNumberTaskSource(n)`` with its gin bindings; asserted: no held-out task id can appear). ``kwargs`` go
+    to :func:`build_toy_examples`."""
+    return build_toy_examples(_train_tasks(n, task_source), n, num_episodes, seed, mix, max_turns, **kwargs)
 
 
 def toy_eval_corpus(n: int, num_episodes: int, seed: int, mix: Sequence[float] = DEFAULT_MIX,
-                    max_turns: Optional[int] = None, **kwargs) -> list[CorpusExample]:
+                    max_turns: Optional[int] = None, task_source: Optional[GuessNumberTaskSource] = None,
+                    **kwargs) -> list[CorpusExample]:
     """The same examples on the HELD-OUT (test) tasks: for measuring a warm start per role, never for training."""
-    return build_toy_examples(GuessNumberTaskSource(n).tasks("test"), n, num_episodes, seed, mix, max_turns,
+    return build_toy_examples(_source(n, task_source).tasks("test"), n, num_episodes, seed, mix, max_turns,
                               **kwargs)
 
 
