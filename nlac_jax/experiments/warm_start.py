@@ -317,6 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=100)
+    p.add_argument("--test_every", type=int, default=5, help="every k-th number is a held-out task")
     p.add_argument("--episodes", type=int, default=300)
     p.add_argument("--eval_episodes", type=int, default=20)
     p.add_argument("--steps", type=int, default=200)
@@ -341,8 +342,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     import jax
 
     t0 = time.perf_counter()
-    train = corpus.toy_corpus(args.n, args.episodes, args.seed)
-    held = corpus.toy_eval_corpus(args.n, args.eval_episodes, args.seed + 1)
+    source = GuessNumberTaskSource(args.n, test_every=args.test_every)
+    train = corpus.toy_corpus(args.n, args.episodes, args.seed, task_source=source)
+    held = corpus.toy_eval_corpus(args.n, args.eval_episodes, args.seed + 1, task_source=source)
     t_corpus = time.perf_counter() - t0
     heads = max(1, args.hidden_size // 32)
     cfg, tok, _ = build_model(dtype=args.dtype, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
@@ -357,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     t_train = time.perf_counter() - t1
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
     t2 = time.perf_counter()
-    test_tasks = GuessNumberTaskSource(args.n).tasks("test")[: args.play_tasks]
+    test_tasks = source.tasks("test")[: args.play_tasks]
     quality = evaluate_toy_warm_start(cfg, state.params, tok, held, args.n, policy_tasks=test_tasks,
                                       per_role=args.per_role, seed=args.seed)
     t_eval = time.perf_counter() - t2
