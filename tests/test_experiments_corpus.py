@@ -169,3 +169,62 @@ def test_explicit_task_source_split():
     assert targets and all(t % 2 == 1 for t in targets)
     with pytest.raises(ValueError):
         C.toy_corpus(100, 1, seed=0, task_source=source)
+
+
+# ------------------------------------------------------------------------------------------- 20 Questions
+
+
+@pytest.fixture(scope="module")
+def tq():
+    from nlac_jax.envs.twenty_questions import TwentyQuestionsTaskSource
+    from nlac_jax.experiments import corpus_twenty_questions as Q
+    source = TwentyQuestionsTaskSource()
+    return Q, source, Q.twenty_questions_corpus(6, seed=1, task_source=source)
+
+
+def test_20q_bank_matches_the_oracle(tq):
+    import random
+
+    from nlac_jax.envs.twenty_questions import YES, ScriptedOracle
+    Q, source, _ = tq
+    bank, oracle = Q.QuestionBank(source.table), ScriptedOracle(source.table)
+    rng = random.Random(0)
+    for text, _, ys in rng.sample(bank.questions, 60):
+        for i in rng.sample(range(len(bank.objects)), 20):
+            assert (oracle.answer(bank.objects[i], text) == YES) == (i in ys), (text, bank.objects[i].name)
+
+
+def test_20q_corpus_train_only_deterministic_and_consistent(tq):
+    from nlac_jax.nlac.roles import ScriptedRoleSampler
+    from nlac_jax.nlac.targets import build_critic_examples
+    Q, source, ex = tq
+    assert _key(Q.twenty_questions_corpus(6, seed=1, task_source=source)) == _key(ex)
+    assert not {e.task_id for e in ex} & {t.id for t in source.tasks("test")}
+    for e in ex:
+        if e.role in ("successor", "backup"):
+            assert parse_outcome(e.target_text)[1] == e.meta["return_to_go"]
+        if e.role == "evaluator":
+            assert parse_verdict(e.target_text) == e.meta["verdict"] == Q.critique(Q.QuestionBank(source.table),
+                                                                                     e.state, e.action)[1]
+        if e.role == "refiner":
+            assert Q.critique(Q.QuestionBank(source.table), e.state, e.target_text)[1]  # the refinement is good
+    stats = C.corpus_stats(ex)
+    assert 0.2 < stats["verdict/all/frac_optimal"] < 0.8
+    # the backup prompts and targets are exactly what NLAC's target builder makes from the same episode
+    task = source.tasks("train")[3]
+    one = Q.twenty_questions_corpus(1, seed=2, task_source=source, tasks=[task], alternatives_per_state=0)
+    table = {r: {json.dumps(e.prompt_messages): e.target_text for e in one if e.role == r}
+             for r in ("policy", "successor", "backup")}
+    sampler = ScriptedRoleSampler({r: (lambda m, j, r=r: table[r][json.dumps(m)]) for r in table})
+    ((_, traj),) = Q.play_behaviour_games([task], 1, seed=2, task_source=source)
+    built = build_critic_examples(traj, sampler, prompts=PromptSet(task=Q.TASK_NAME))
+    mine = [e for e in one if e.role == "successor"]
+    assert [b.target_text for b in built] == [e.target_text for e in mine]
+    assert [b.prompt_messages for b in built] == [e.prompt_messages for e in mine]
+
+
+def test_20q_behaviour_below_the_scripted_reference(tq):
+    Q, source, _ = tq
+    ref = Q.twenty_questions_reference(source.tasks("train")[:12], seed=0, task_source=source)
+    assert ref["scripted_refiner/success_rate"] == 1.0
+    assert ref["behaviour/mean_return"] < ref["scripted_refiner/mean_return"]

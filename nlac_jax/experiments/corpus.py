@@ -49,7 +49,9 @@ __all__ = [
     "behaviour_action",
     "good_range",
     "critique",
+    "terminal_summary",
     "future_summary",
+    "critic_and_policy_examples",
     "play_behaviour_episodes",
     "build_toy_examples",
     "toy_corpus",
@@ -228,6 +230,15 @@ def _short_action(a: str) -> str:
     return str(g) if g is not None and a.strip() == str(g) else (" ".join(a.split())[:40] or "(empty)")
 
 
+def terminal_summary(t: Transition, ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
+    """The successor target of a terminal transition, exactly as ``targets.build_critic_examples`` builds it."""
+    cfg = cfg or TargetConfig()
+    obs = _rendered_observation(t, ps, cfg)
+    success = bool(t.success) if t.success is not None else t.episode_return > cfg.success_threshold
+    text = ps.terminal_summary(t.reward, t.episode_return, success, obs if cfg.terminal_include_observation else None)
+    return truncate_summary(text, cfg.max_summary_chars)
+
+
 def future_summary(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target for (s_t, a_t) given the real transitions from a_t to the end of the episode.
 
@@ -241,11 +252,7 @@ def future_summary(future: Sequence[Transition], ps: PromptSet, cfg: Optional[Ta
     if not last.done:
         raise ValueError("future_summary needs a finished episode (its last transition must be terminal)")
     if first.done:
-        obs = _rendered_observation(first, ps, cfg)
-        success = bool(first.success) if first.success is not None else first.episode_return > cfg.success_threshold
-        text = ps.terminal_summary(first.reward, first.episode_return, success,
-                                   obs if cfg.terminal_include_observation else None)
-        return truncate_summary(text, cfg.max_summary_chars)
+        return terminal_summary(first, ps, cfg)
     parts = [f"Reply: {_reply_word(first)}."]
     nexts = list(future[1:])
     for t in nexts[:DETAIL_GUESSES]:
@@ -262,11 +269,11 @@ def future_summary(future: Sequence[Transition], ps: PromptSet, cfg: Optional[Ta
 # ------------------------------------------------------------------------------------------- playing
 
 
-def _play(env: GuessNumberEnv, task: Task, chooser: Callable[[list], str]) -> list[Transition]:
-    """One full episode with the real runner; returns NLAC's Transitions (task name ``TASK_NAME``)."""
+def _play(env, task: Task, chooser: Callable[[list], str], task_name: str = TASK_NAME) -> list[Transition]:
+    """One full episode with the real runner; returns NLAC's Transitions (prompt-set name ``task_name``)."""
     runner = BatchedRunner([env], lambda histories: [chooser(h) for h in histories])
     (episode,) = runner.run([task])
-    return transitions_from_episode(episode, task=TASK_NAME)
+    return transitions_from_episode(episode, task=task_name)
 
 
 def _behaviour_chooser(n: int, rng: random.Random, mix, prefix: Sequence[str] = ()) -> Callable[[list], str]:
@@ -300,8 +307,18 @@ def _step_examples(ps: PromptSet, cfg: TargetConfig, judge: GuessNumberEnv, task
     """policy / successor / backup / evaluator / refiner examples for step t of a played episode."""
     tr = traj[t]
     d_t = summaries[t]
-    out = [CorpusExample("policy", ps.policy(tr.state), tr.action, task.id, tr.state, "", dict(meta)),
-           CorpusExample("successor", ps.successor(tr.state, tr.action), d_t, task.id, tr.state, tr.action,
+    out = critic_and_policy_examples(ps, cfg, traj, summaries, t, task.id, meta)
+    out += _critic_refiner_examples(ps, judge, task, tr.state, tr.action, d_t, meta)
+    return out
+
+
+def critic_and_policy_examples(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition],
+                               summaries: Sequence[str], t: int, task_id: str, meta: dict) -> list[CorpusExample]:
+    """policy (s_t → a_t), successor (s_t, a_t → d_t) and, for a non-terminal step, backup examples, where
+    ``summaries[i]`` is the successor target of step i of the played episode ``traj``."""
+    tr, d_t = traj[t], summaries[t]
+    out = [CorpusExample("policy", ps.policy(tr.state), tr.action, task_id, tr.state, "", dict(meta)),
+           CorpusExample("successor", ps.successor(tr.state, tr.action), d_t, task_id, tr.state, tr.action,
                          dict(meta, terminal=tr.done))]
     if not tr.done:
         # Exactly build_critic_examples' backup call: rendered observation, a_{t+1}, truncated d_{t+1} and the
@@ -313,8 +330,7 @@ def _step_examples(ps: PromptSet, cfg: TargetConfig, judge: GuessNumberEnv, task
         obs = _rendered_observation(tr, ps, cfg)
         prompt = ps.backup(tr.state, tr.action, tr.reward, obs or [], traj[t + 1].action, d_next,
                            target=line if cfg.enforce_outcome_line else None)
-        out.append(CorpusExample("backup", prompt, d_t, task.id, tr.state, tr.action, dict(meta, terminal=False)))
-    out += _critic_refiner_examples(ps, judge, task, tr.state, tr.action, d_t, meta)
+        out.append(CorpusExample("backup", prompt, d_t, task_id, tr.state, tr.action, dict(meta, terminal=False)))
     return out
 
 
