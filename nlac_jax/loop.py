@@ -43,7 +43,8 @@ class LoopConfig:
     max_len: tokens per example (prompt + target). Every role prompt is fitted to max_len minus the longest target
       it is sampled with or trained on (text.PromptFitter: middle messages of the state are elided, the system
       prompt and task never); the run refuses to start when an initial prompt cannot fit.
-    eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out tasks (fixed set);
+    eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
+      there are fewer tasks than episodes);
       eval_temperature: 0 = greedy; calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
     sampler_max_batch: prompts per sampler call; top_p: nucleus for every role.
@@ -279,7 +280,9 @@ class NLACRun:
         generate_fn = ExternalModel() if needs_model else None
         self.envs = self.env_factory.make(self.loop.env_pool, generate_fn)
         self.judge_env = self.env_factory(generate_fn)
-        self.eval_tasks = self.task_source.tasks(self.task_source.eval_split)[: self.loop.eval_episodes]
+        held_out = self.task_source.tasks(self.task_source.eval_split)
+        # more episodes than held-out tasks: each task is played again (a sampled policy's success is a mean)
+        self.eval_tasks = [held_out[i % len(held_out)] for i in range(self.loop.eval_episodes)] if held_out else []
         self._np = np
         self._jax = jax
 

@@ -173,7 +173,7 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     import matplotlib.pyplot as plt
     paths = []
     for name, panels in (
-        ("learning_curves.png", (("eval/success_rate", "held-out success (greedy)"),
+        ("learning_curves.png", (("eval/success_rate", "held-out success"),
                                  ("collect/success_rate", "train success (sampled)"),
                                  ("eval/mean_return", "held-out return"))),
         ("critic_curves.png", (("eval/calib/return_mae", "calibration MAE (return-to-go)"),
@@ -243,7 +243,8 @@ def run_experiment(workdir: str) -> dict:
     table = results_table(results, seconds, reference)
     curves, critic = plot_results(results, workdir)
     with open(os.path.join(workdir, "results.md"), "w") as f:
-        f.write(f"# Unit-scale experiment ({len(tasks)} held-out tasks, greedy evaluation)\n\n{table}\n\n"
+        f.write(f"# Unit-scale experiment ({len(tasks)} held-out episodes over {len({t.id for t in tasks})} test "
+                f"tasks, policy temperature {run.loop.eval_temperature:g})\n\n{table}\n\n"
                 f"![learning curves]({os.path.basename(curves)})\n![critic curves]({os.path.basename(critic)})\n")
     run.checkpointer.close()
     _progress(workdir, f"results: {os.path.join(workdir, 'results.md')}")

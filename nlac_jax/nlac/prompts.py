@@ -244,7 +244,8 @@ class PromptSet:
     """The prompts of all roles for one task family.
 
     Resolution order for each role: ``overrides[role]`` (argument or gin), then
-    ``task_overrides[task][role]``, then ``<root>/<task>/<role>.txt`` for each root in
+    ``task_overrides[task][role]``, then ``<root>/<prompt_set>/<role>.txt`` (when given), then
+    ``<root>/<task>/<role>.txt`` for each root in
     ``(*template_dirs, TEMPLATE_ROOT)``, then ``<root>/default/<role>.txt``. ``source(role)`` tells which won.
 
     Args:
@@ -254,6 +255,8 @@ class PromptSet:
       template_dirs: extra template roots searched before the packaged ``templates/``.
       transcript_labels: labels for :func:`render_transcript` (e.g. ``{'user': 'CUSTOMER'}``).
       max_transcript_chars: keep only the last N characters of long transcripts (None: full history).
+      prompt_set: a template folder searched before the task's own (e.g. ``'toy_compact'``, the unit-scale
+        experiment's short prompts); roles it lacks come from the task folder, then ``default``.
 
     ``fitter`` (attribute, default None; the loop sets a ``text.PromptFitter``): every chat role method passes its
     state through ``fitter.fit`` so that the rendered prompt fits the role's token budget. Acting (rollouts call
@@ -269,8 +272,10 @@ class PromptSet:
         template_dirs: Sequence[str | os.PathLike] = (),
         transcript_labels: Mapping[str, str] | None = None,
         max_transcript_chars: int | None = None,
+        prompt_set: str | None = None,
     ):
         self.task = task
+        self.prompt_set = prompt_set
         self.template_dirs = tuple(Path(d) for d in template_dirs)
         self.transcript_labels = dict(transcript_labels or {})
         self.max_transcript_chars = max_transcript_chars
@@ -293,6 +298,7 @@ class PromptSet:
     def _load_file(self, role: str) -> PromptTemplate:
         roots = [*self.template_dirs, TEMPLATE_ROOT]
         sets = [self.task] if self.task and self.task != DEFAULT_SET else []
+        sets = ([self.prompt_set] if self.prompt_set else []) + sets
         sets += [TASK_FOLDER_ALIASES[t] for t in sets if t in TASK_FOLDER_ALIASES] + [DEFAULT_SET]
         for name in sets:
             for root in roots:
