@@ -47,7 +47,8 @@ class LoopConfig:
       there are fewer tasks than episodes);
       eval_temperature: 0 = greedy; calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
-    sampler_max_batch: prompts per sampler call; top_p: nucleus for every role.
+    sampler_max_batch: prompts per sampler call; sampler_min_batch: calls are padded to at least this many rows
+      (fewer shapes to compile: rollouts' shrinking batches share one executable); top_p: nucleus for every role.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
     seqio_task: read the tasks through this registered seqio Task (e.g. 'nlac_math', needs requirements-seqio.txt;
@@ -71,6 +72,7 @@ class LoopConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     sampler_max_batch: int = 64
+    sampler_min_batch: int = 16
     top_p: float = 1.0
     seed: int = 0
     dump_examples: int = 2
@@ -268,7 +270,7 @@ class NLACRun:
             self.holder.state = training.create_train_state(self.cfg, self.mesh, self.optimizer, params=params,
                                                             seed=self.loop.seed, donate_params=params is not None)
 
-        self.sampler = sampling.Sampler(self.cfg, mesh=self.mesh)
+        self.sampler = sampling.Sampler(self.cfg, mesh=self.mesh, min_batch_bucket=self.loop.sampler_min_batch)
         holder = self.holder
         self.roles = model_roles.ModelRoleSampler(
             self.sampler, self.tokenizer,

@@ -609,7 +609,10 @@ class Sampler:
     """
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
-                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto"):
+                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1):
+        # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
+        # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
+        # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
         if layer_loop not in ("auto", "unrolled", "scan"):
             raise ValueError(f"layer_loop={layer_loop!r} is not one of auto|unrolled|scan")
         if layer_loop == "auto":
@@ -617,6 +620,7 @@ class Sampler:
             layer_loop = "unrolled" if (not cfg.scan_layers or next(iter(devs)).platform == "cpu") else "scan"
         self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
+        self.min_batch_bucket = max(1, int(min_batch_bucket))
         self._param_shardings = None
         unrolled = layer_loop == "unrolled"
         self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: _prefill_impl(
@@ -646,7 +650,7 @@ class Sampler:
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
-        b = bucket_length(batch, 1)
+        b = bucket_length(batch, self.min_batch_bucket)
         dp = self.data_parallel
         b = -(-b // dp) * dp
         return (b, bucket_length(longest_prompt, self.min_prompt_bucket),

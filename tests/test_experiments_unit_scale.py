@@ -1,0 +1,103 @@
+"""The unit-scale experiment: the baselines' example builders (hand-checked values) and the smoke configuration
+end to end (every arm runs, the table and the figures are written, a rerun resumes). Learning itself is shown by
+the full experiment (README, "Does NLAC learn?"), not asserted here."""
+
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from nlac_jax.envs.base import Episode, Task, Transition
+from nlac_jax.experiments import arms
+from nlac_jax.nlac.prompts import PromptSet
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_group_advantages_by_hand():
+    # returns 1, 0, 0, 1: mean 0.5, population std 0.5 -> +1, -1, -1, +1
+    np.testing.assert_allclose(arms.group_advantages([1.0, 0.0, 0.0, 1.0]), [1, -1, -1, 1], atol=1e-5)
+    # 1, 0, 0, 0: mean 0.25, std sqrt(3)/4 -> (0.75, -0.25, -0.25, -0.25) / 0.4330
+    np.testing.assert_allclose(arms.group_advantages([1.0, 0.0, 0.0, 0.0]),
+                               [1.7320, -0.5773, -0.5773, -0.5773], atol=1e-3)
+    assert arms.group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]  # no signal in a uniform group
+
+
+def _episode(task_id, actions, success):
+    msgs = [{"role": "system", "content": "Guess."}, {"role": "user", "content": "Go."}]
+    steps = []
+    for i, a in enumerate(actions):
+        state = list(msgs)
+        msgs = msgs + [{"role": "assistant", "content": a}, {"role": "user", "content": "higher"}]
+        last = i == len(actions) - 1
+        steps.append(Transition(state, a, float(success and last), list(msgs), last))
+    return Episode(task=Task(id=task_id, split="train"), messages=msgs, transitions=steps,
+                   total_return=float(success), success=success, length=len(actions), num_errors=0)
+
+
+def _fake_run(tasks=()):
+    cursor = types.SimpleNamespace(take=lambda n: list(tasks)[:n])
+    return types.SimpleNamespace(prompts=PromptSet(task="toy"), loop=types.SimpleNamespace(dump_examples=1),
+                                 cursor=cursor)
+
+
+def test_rft_clones_only_successful_episodes_and_remembers_them():
+    run = _fake_run()
+    rft = arms.RFT(policy_examples=10, capacity=100)
+    m = {}
+    ex, _ = rft.examples(run, 0, [_episode("a", ["5", "7"], True), _episode("b", ["1", "2", "3"], False)], [],
+                         np.random.default_rng(0), m)
+    assert sorted(e.target_text for e in ex) == ["5", "7"]
+    assert all(e.weight == 1.0 and e.kind == 1 for e in ex)
+    assert m["rft/successful_episodes"] == 1 and m["rft/pairs"] == 2
+    # the policy prompt of each example is the state the action was taken in
+    assert ex[0].prompt_messages == run.prompts.policy(ex[0].prompt_messages)
+    ex2, _ = rft.examples(run, 1, [_episode("c", ["9"], False)], [], np.random.default_rng(1), m)
+    assert sorted(e.target_text for e in ex2) == ["5", "7"]  # past successes stay in the FIFO
+
+
+def test_grpo_groups_tasks_and_weights_actions_by_advantage():
+    tasks = [Task(id=f"t{i}", split="train") for i in range(3)]
+    run = _fake_run(tasks)
+    grpo = arms.GRPO(group_size=2, max_examples=100)
+    taken = grpo.take_tasks(run, 6)
+    assert [t.id for t in taken] == ["t0", "t0", "t1", "t1", "t2", "t2"]
+    eps = [_episode("t0", ["4"], True), _episode("t0", ["8", "9"], False),  # informative group
+           _episode("t1", ["1"], True), _episode("t1", ["2"], True)]         # uniform group: no example
+    m = {}
+    ex, _ = grpo.examples(run, 0, eps, [], np.random.default_rng(0), m)
+    got = sorted((e.target_text, round(e.weight, 4)) for e in ex)
+    assert got == [("4", 1.0), ("8", -1.0), ("9", -1.0)]
+    assert m["grpo/groups"] == 2 and m["grpo/informative_groups"] == 1
+
+
+def test_make_learner_rejects_unknown_arms():
+    with pytest.raises(ValueError, match="unknown arm"):
+        arms.make_learner("ppo", None)
+
+
+def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
+    workdir = str(tmp_path / "unit")
+    cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale",
+           "--gin_file=gin/experiments/unit_toy_smoke.gin", f"--workdir={workdir}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = open(os.path.join(workdir, "results.md")).read()
+    for arm in arms.ARMS:
+        assert f"| {arm} | 1 |" in table, table
+        assert os.path.isfile(os.path.join(workdir, "arms", arm, "seed_0", "metrics.jsonl"))
+    for png in ("learning_curves.png", "critic_curves.png"):
+        with open(os.path.join(workdir, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.isfile(os.path.join(workdir, "warm_start", "model.safetensors")) or any(
+        n.endswith(".safetensors") for n in os.listdir(os.path.join(workdir, "warm_start")))
+    # a rerun resumes: the warm start and every finished (arm, seed) are reused, the table is rewritten
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    progress = open(os.path.join(workdir, "progress.log")).read()
+    assert "warm start: reusing" in progress
+    assert progress.count("nlac seed 0:") == 1  # not run again
