@@ -235,9 +235,11 @@ class NLACRun:
         self._fit_prompts()
         self.optimizer = training.make_optimizer()
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
+        # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
+        fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
         self.checkpointer = training.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                                   save_every=self.loop.checkpoint_every,
-                                                  keep=self.loop.keep_checkpoints)
+                                                  keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         self.holder = _Holder()
         self.buffer = ReplayBuffer(self.loop.buffer_capacity)
         self.learner = algorithm.NLAC()  # the default learner (the experiments plug in others)
@@ -250,7 +252,7 @@ class NLACRun:
             have_ckpt = True
             if os.path.abspath(checkpoint) != self.checkpointer.directory:
                 self.checkpointer = training.Checkpointer(checkpoint, save_every=self.loop.checkpoint_every,
-                                                          keep=self.loop.keep_checkpoints)
+                                                          keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         if have_ckpt:
             abstract = training.abstract_train_state(self.cfg, self.mesh, self.optimizer)
             restored = self.checkpointer.restore(abstract)

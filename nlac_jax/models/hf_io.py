@@ -110,15 +110,45 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         try:
+            size = os.path.getsize(path)
             with open(path, "rb") as f:
                 n = struct.unpack("<Q", f.read(8))[0]
+                if 8 + n > size:
+                    raise CheckpointError(f"{path}: the safetensors header claims {n} bytes but the file has only "
+                                          f"{size} bytes (truncated file?)")
                 header = json.loads(f.read(n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: not a readable safetensors file (the header is not a JSON object)")
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
         self._base = 8 + n
         self._mm = None
+        self._check_offsets(size - self._base)
+
+    def _check_offsets(self, data_bytes: int) -> None:
+        """Every tensor's byte range must lie in the file and match its dtype and shape: a truncated or damaged
+        file is named here, with its first tensor that does not fit, instead of failing later in a reshape."""
+        def start(item):
+            offsets = item[1].get("data_offsets") if isinstance(item[1], dict) else None
+            return offsets[0] if isinstance(offsets, list) and offsets and isinstance(offsets[0], int) else -1
+
+        for name, info in sorted(self.header.items(), key=start):  # file order: the first one cut off is named
+            try:
+                lo, hi = (int(v) for v in info["data_offsets"])
+                shape = [int(d) for d in info["shape"]]
+                dtype = info["dtype"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed header entry {info!r}") from None
+            if not 0 <= lo <= hi <= data_bytes:
+                raise CheckpointError(f"{self.path}: tensor {name!r} needs bytes {lo}..{hi} of the data section, "
+                                      f"but the file holds only {data_bytes} data bytes (truncated file?)")
+            if dtype in _ST_DTYPES:
+                need = math.prod(shape) * np.dtype(_ST_DTYPES[dtype]).itemsize
+                if hi - lo != need:
+                    raise CheckpointError(f"{self.path}: tensor {name!r} has {hi - lo} bytes in the file, but "
+                                          f"{dtype} {tuple(shape)} needs {need}")
 
     def keys(self):
         return self.header.keys()

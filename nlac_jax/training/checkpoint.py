@@ -1,29 +1,46 @@
 """Orbax checkpoints of the TrainState (+ JSON metadata + the NLAC loop's own JSON state), and HF export.
 
-    ckpt = Checkpointer(directory)                       # gin: Checkpointer.save_every / keep / async_save
+    ckpt = Checkpointer(directory, fingerprint=run_fingerprint(cfg, env="toy"))   # gin: Checkpointer.*
     ckpt.save(state, metadata={...}, loop_state={...})   # saves when step % save_every == 0 (or force=True)
     r = ckpt.restore(abstract_train_state(cfg, mesh, opt))   # onto ANY mesh: the abstract state carries shardings
     r.state, r.metadata, r.loop_state, r.step
     export_hf(out_dir, cfg, state, which="target")       # θ̄ (or "params": θ) as an HF directory
 
 Layout per step (orbax CheckpointManager, one directory per step, written to a temporary path and renamed when
-complete): items 'state' (StandardSave of the TrainState pytree), 'metadata' (JSON: step, mesh, model config,
-versions + user metadata), 'loop_state' (JSON, arbitrary JSON-serialisable dict; {} when not given).
-Every process must call save/restore (orbax synchronises and writes once per array shard).
+complete): items 'state' (StandardSave of the TrainState pytree), 'metadata' (JSON: step, mesh, versions, the run
+fingerprint, every array's shape/dtype and content checksum, the loop state's checksum + user metadata),
+'loop_state' (JSON, arbitrary JSON-serialisable dict; {} when not given).
+Every process must call save/restore/wait/close (orbax synchronises and writes once per array shard).
+
+Integrity (nothing lost):
+  * save: each array's checksum (`array_checksums`, exact integer arithmetic on the devices, so it does not depend on
+    the mesh and each process only reads the shards it holds) goes into the step's metadata.
+  * after the write completes (at the next save / wait / close / restore) the step is read back and verified;
+    only then may older steps be deleted: retention keeps the `keep` newest *verified* steps, so a step that is
+    corrupt on disk can never push the last good one out.
+  * restore verifies every array; a step that fails (checksum mismatch, unreadable or truncated file, orbax read
+    error) is moved aside to `<step>.corrupt` and the previous step is restored, with one warning line naming the
+    step and the first bad array.
+  * a checkpoint written for another model or task (`fingerprint`, array shapes) is refused with one error line
+    naming what differs (CheckpointMismatchError); a different mesh is fine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import hashlib
 import json
 import logging
 import os
+import re
 import time
-import warnings
 
 import gin
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from nlac_jax.models import hf_io
@@ -31,10 +48,25 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
 
 ITEMS = ("state", "metadata", "loop_state")
+# one line per event (a logged line, not a warnings.warn: that adds the source line and shows once per call site)
+log = logging.getLogger(__name__)
+
+# ModelConfig fields a resumed checkpoint must match: they change array shapes, the tree layout or the numerics
+# (remat, token ids and the context length change neither).
+FINGERPRINT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "rope_theta",
+                      "rms_norm_eps", "param_dtype", "dtype", "scan_layers")
+
+# read-back verification restores at most this many bytes (global) at a time, so it never doubles device memory
+VERIFY_GROUP_BYTES = 2 << 30
 
 
 class CheckpointRestoreError(RuntimeError):
     """No step in the directory could be restored."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written for another model / task than this run (one line saying what differs)."""
 
 
 @dataclasses.dataclass
@@ -43,6 +75,15 @@ class Restored:
     metadata: dict
     loop_state: dict
     step: int
+
+
+def run_fingerprint(cfg: ModelConfig, **settings) -> dict:
+    """What a checkpoint must match to be resumed: cfg's FINGERPRINT_FIELDS plus `settings` (e.g. env='toy').
+
+    Values must be JSON-serialisable; the mesh is deliberately not part of it (restoring onto another mesh works)."""
+    fp = {f: getattr(cfg, f) for f in FINGERPRINT_FIELDS}
+    fp.update(settings)
+    return _json_checked(fp, "fingerprint")
 
 
 def _json_checked(d: dict | None, what: str) -> dict:
@@ -56,26 +97,175 @@ def _json_checked(d: dict | None, what: str) -> dict:
     return d
 
 
+def _json_sha(d: dict) -> str:
+    # orbax's JsonSave writes json.dumps(d); a round trip keeps key order and float values, so this is stable
+    return hashlib.sha256(json.dumps(d).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- array checksums
+def leaf_names(tree) -> list[str]:
+    """'params/embed/embedding'-style names of the leaves of `tree`, in tree order."""
+    def part(k):
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+    return ["/".join(part(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _fmix32(h):
+    """murmur3's finaliser: every input bit flips about half the output bits."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _words(x):
+    """The array's bits as uint32 words (an extra trailing axis for 8-byte dtypes)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16 if size == 2 else jnp.uint8).astype(jnp.uint32)
+
+
+def _leaf_checksum(x):
+    """Two 32-bit lanes of sum_i fmix32(word_i ^ hash_lane(position_i)) mod 2^32.
+
+    Integer addition mod 2^32 is exact and order-free, so any sharding / reduction order gives the same value;
+    fmix32 is a bijection, so a change of any single word always changes both lanes, and several changes cancel
+    out with probability ~2^-64."""
+    w = _words(x)
+    lanes = []
+    for salt in (0x9E3779B1, 0x7F4A7C15):
+        m = jnp.uint32(salt)
+        for axis, n in enumerate(w.shape):
+            idx = jnp.arange(n, dtype=jnp.uint32) * np.uint32(0x9E3779B1) + np.uint32((salt + axis * 0x632BE5AB)
+                                                                                         & 0xFFFFFFFF)
+            shape = [1] * w.ndim
+            shape[axis] = n
+            m = m ^ _fmix32(idx).reshape(shape)
+        lanes.append(jnp.sum(_fmix32(w ^ _fmix32(m)), dtype=jnp.uint32))
+    return jnp.stack(lanes)
+
+
+def _stacked_checksums(leaves):
+    return jnp.stack([_leaf_checksum(x) for x in leaves])
+
+
+@functools.lru_cache(maxsize=None)
+def _checksum_fn(out_sharding):
+    if out_sharding is None:
+        return jax.jit(_stacked_checksums)
+    return jax.jit(_stacked_checksums, out_shardings=out_sharding)
+
+
+def _checksums_of_leaves(leaves: list) -> list[str]:
+    if not leaves:
+        return []
+    sh = getattr(leaves[0], "sharding", None)
+    out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()) \
+        if isinstance(sh, jax.sharding.NamedSharding) else None  # replicated: every process can read it
+    sums = _checksum_fn(out)(list(leaves))
+    sums = np.asarray(sums.addressable_data(0)) if hasattr(sums, "addressable_data") else np.asarray(sums)
+    return [f"{int(a):08x}{int(b):08x}" for a, b in sums]
+
+
+def array_checksums(tree) -> dict[str, str]:
+    """name (see leaf_names) -> 16 hex digits content checksum of every array of `tree` (jax arrays, any sharding).
+
+    Computed on the devices where the arrays live; identical for the same values on any mesh. Every process must
+    call it (it is one collective computation)."""
+    return dict(zip(leaf_names(tree), _checksums_of_leaves(jax.tree.leaves(tree))))
+
+
+def _layout(tree) -> dict[str, list]:
+    return {n: [list(x.shape), str(jnp.dtype(x.dtype))] for n, x in zip(leaf_names(tree), jax.tree.leaves(tree))}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _one_line(e: BaseException | str, limit: int = 200) -> str:
+    s = e if isinstance(e, str) else (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    s = re.sub(r"\s+", " ", s.split("See full TensorStore details")[0]).strip().rstrip(".")
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _all_ok(ok: bool) -> bool:
+    """True iff `ok` on every process, so that all processes take the same branch (a divergent restore hangs)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _abstract_of(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def _groups(abstract_leaves: list, budget: int) -> list[list[int]]:
+    """Consecutive leaf indices in groups of at most `budget` bytes (a bigger leaf is a group of its own)."""
+    groups, cur, size = [], [], 0
+    for i, x in enumerate(abstract_leaves):
+        n = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+        if cur and size + n > budget:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class _StepBad(Exception):
+    """This step cannot be used; the message says why (one line)."""
+
+
 @gin.configurable
 class Checkpointer:
-    """Saves every `save_every` steps (by the state's step), keeps the latest `keep`, writes asynchronously.
+    """Saves every `save_every` steps (by the state's step), keeps the latest `keep` verified, writes asynchronously.
 
     save_every: checkpoint when step % save_every == 0 (force=True saves regardless).
-    keep: number of most recent checkpoints to keep (None: all).
+    keep: number of most recent *verified* checkpoints to keep (None: all); older steps are deleted only once
+      `keep` newer ones have been read back and verified.
     async_save: write in a background thread (the arrays are copied to host before `save` returns, so the
       state can be donated to the next train step right away); call `wait()` / `close()` before exiting.
+    verify_after_write: read every finished step back and check its checksums before it may replace older steps
+      (False: a step counts as verified once orbax has committed it; cheaper for very large states).
+    fingerprint: run_fingerprint(...) of this run, stored with every step and compared on restore.
     """
 
-    def __init__(self, directory: str, save_every: int = 1000, keep: int | None = 3, async_save: bool = True):
+    def __init__(self, directory: str, save_every: int = 1000, keep: int | None = 3, async_save: bool = True,
+                 verify_after_write: bool = True, fingerprint: dict | None = None):
+        if keep is not None and int(keep) < 1:
+            raise ValueError(f"Checkpointer keep={keep!r}: expected an integer >= 1 or None (keep all)")
         self.directory = os.path.abspath(directory)
         self.save_every = int(save_every)
+        self.keep = None if keep is None else int(keep)
+        self.async_save = async_save
+        self.verify_after_write = verify_after_write
+        self.fingerprint = None if fingerprint is None else json.loads(json.dumps(_json_checked(fingerprint,
+                                                                                                "fingerprint")))
+        # no orbax preservation policy: retention depends on verification (_collect_garbage)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(self.save_every),
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=async_save,
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._verified: set[int] = set()  # steps read back and found intact (this process's lifetime)
+        self._pending: dict[int, tuple] = {}  # step -> (abstract state, checksums, loop_state sha) until verified
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, metadata: dict | None = None, loop_state: dict | None = None,
@@ -86,15 +276,56 @@ class Checkpointer:
         step = int(state.step) if step is None else int(step)
         if not force and not self._mngr.should_save(step):
             return False
-        meta = {"step": step, "time": time.time(), "jax_version": jax.__version__,
-                "num_devices": jax.device_count(),
-                "mesh": _mesh_of(state)}
-        meta.update(_json_checked(metadata, "checkpoint metadata"))
+        user_meta = _json_checked(metadata, "checkpoint metadata")
         loop_state = _json_checked(loop_state, "loop_state")
-        return self._mngr.save(step, args=ocp.args.Composite(
+        self._finish_pending()  # the previous step is verified (and old ones collected) before a new write starts
+        sums = array_checksums(state)
+        meta = {"step": step, "time": time.time(), "jax_version": jax.__version__,
+                "num_devices": jax.device_count(), "mesh": _mesh_of(state)}
+        meta.update(user_meta)
+        meta.update({"fingerprint": self.fingerprint, "layout": _layout(state), "checksums": sums,
+                     "loop_state_sha256": _json_sha(loop_state)})
+        started = self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             metadata=ocp.args.JsonSave(meta),
             loop_state=ocp.args.JsonSave(loop_state)), force=force)
+        if started:
+            self._pending[step] = (_abstract_of(state), sums, meta["loop_state_sha256"])
+            if not self.async_save:
+                self._finish_pending()
+        return started
+
+    def _finish_pending(self) -> None:
+        """Wait for the write in flight, verify every step written since, then apply retention."""
+        self._mngr.wait_until_finished()
+        for step in sorted(self._pending):
+            abstract, sums, loop_sha = self._pending.pop(step)
+            try:
+                if self.verify_after_write:
+                    self._read_back(step, abstract, sums, loop_sha)
+            except _StepBad as e:
+                moved = self._move_aside([step])
+                log.warning("checkpoint step %d in %s %s when read back after writing; moved to %s, the older "
+                            "steps are kept", step, self.directory, e, moved[step])
+                continue
+            self._verified.add(step)
+        self._collect_garbage()
+
+    def _read_back(self, step: int, abstract, sums: dict, loop_sha: str) -> None:
+        """Raise _StepBad unless every array (read back in groups of VERIFY_GROUP_BYTES) and the loop state match."""
+        names, leaves, treedef = leaf_names(abstract), *jax.tree.flatten(abstract)
+        for group in _groups(leaves, VERIFY_GROUP_BYTES):
+            got = self._restore_leaves(step, leaves, treedef, group, names)
+            for i, c in zip(group, _checksums_of_leaves(got)):
+                if c != sums[names[i]]:
+                    raise _StepBad(f"is corrupt (array {names[i]} does not match its checksum)")
+            del got
+        try:
+            loop_state = self._restore_json(step, "loop_state")
+        except _StepBad as e:
+            raise _StepBad(f"has an unreadable loop state ({e})") from None
+        if _json_sha(loop_state) != loop_sha:
+            raise _StepBad("is corrupt (the loop state does not match its checksum)")
 
     # ------------------------------------------------------------------ restore
     def all_steps(self) -> list[int]:
@@ -109,46 +340,187 @@ class Checkpointer:
         jax.ShapeDtypeStruct with .sharding, e.g. training.abstract_train_state(cfg, mesh, optimizer)), which may
         be a different mesh than the one that saved it.
 
-        A missing or unreadable (corrupt / partially deleted) step falls back to the previous good one with a
-        warning; CheckpointRestoreError if none can be restored."""
-        self.wait()
+        Every array is checked against the checksum saved with it. A step that fails (checksum mismatch, missing
+        or truncated file, read error) is moved aside to `<step>.corrupt` and the previous one is restored, with
+        one warning line naming the step and the first bad array; CheckpointRestoreError if none can be restored.
+        CheckpointMismatchError if the step was written for another model / task (fingerprint or array shapes)."""
+        self._finish_pending()
         self._mngr.reload()
         steps = self.all_steps()
         if step is not None:
             if step not in steps:
-                warnings.warn(f"checkpoint step {step} not found in {self.directory} (have {steps}); "
-                              f"falling back to the latest earlier step", RuntimeWarning, stacklevel=2)
+                log.warning("checkpoint step %d not found in %s (have %s); falling back to the latest earlier step",
+                            step, self.directory, steps)
             steps = [s for s in steps if s <= step]
         if not steps:
             raise CheckpointRestoreError(f"no checkpoint to restore in {self.directory}"
                                          + (f" at or before step {step}" if step is not None else ""))
-        errors = []
+        bad: list[tuple[int, str]] = []
         for s in reversed(steps):
             try:
-                r = self._mngr.restore(s, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    metadata=ocp.args.JsonRestore(),
-                    loop_state=ocp.args.JsonRestore()))
-                state = r["state"]
-                if not isinstance(state, TrainState):
-                    raise TypeError(f"restored 'state' item is a {type(state).__name__}, not a TrainState")
-                return Restored(state=state, metadata=dict(r["metadata"] or {}),
-                                loop_state=dict(r["loop_state"] or {}), step=s)
-            except Exception as e:  # noqa: BLE001 (corruption surfaces as many exception types)
+                r = self._restore_verified(s, abstract_state)
+            except _StepBad as e:
                 _collect_orphaned_futures()
-                errors.append(f"step {s}: {type(e).__name__}: {e}")
-                warnings.warn(f"checkpoint step {s} in {self.directory} could not be restored "
-                              f"({type(e).__name__}: {str(e)[:300]}); falling back to the previous step",
-                              RuntimeWarning, stacklevel=2)
-        raise CheckpointRestoreError(f"no restorable checkpoint in {self.directory}:\n  " + "\n  ".join(errors))
+                bad.append((s, str(e)))
+                continue
+            if bad:
+                moved = self._move_aside([b for b, _ in bad])
+                what = "; ".join(f"step {b} {why}" for b, why in bad)
+                where = ", ".join(moved[b] for b, _ in bad)
+                log.warning("checkpoint %s: %s; restored step %d instead (moved the bad step%s to %s)",
+                            self.directory, what, s, "s" if len(bad) > 1 else "", where)
+            return r
+        raise CheckpointRestoreError(f"no restorable checkpoint in {self.directory}: "
+                                     + "; ".join(f"step {b} {why}" for b, why in bad))
+
+    def _restore_verified(self, s: int, abstract_state) -> Restored:
+        """Restore step `s`, checking it was written for this run and that every array matches its checksum."""
+        try:
+            meta = dict(self._restore_json(s, "metadata") or {})
+        except _StepBad as e:
+            raise _StepBad(f"has unreadable metadata ({e})") from None
+        self._check_matches(s, meta, abstract_state)
+        names, leaves, treedef = leaf_names(abstract_state), *jax.tree.flatten(abstract_state)
+        restored = self._restore_leaves(s, leaves, treedef, list(range(len(leaves))), names)
+        state = jax.tree.unflatten(treedef, restored)
+        sums = meta.get("checksums")
+        if sums is not None:
+            for name, c in zip(names, _checksums_of_leaves(restored)):
+                if sums.get(name) != c:
+                    raise _StepBad(f"is corrupt (array {name} does not match its checksum)")
+        try:
+            loop_state = dict(self._restore_json(s, "loop_state") or {})
+        except _StepBad as e:
+            raise _StepBad(f"has an unreadable loop state ({e})") from None
+        if "loop_state_sha256" in meta and _json_sha(loop_state) != meta["loop_state_sha256"]:
+            raise _StepBad("is corrupt (the loop state does not match its checksum)")
+        if sums is not None:
+            self._verified.add(s)  # read back in full: as good as a verification after writing
+        else:
+            log.warning("checkpoint step %d in %s has no checksums (written by an older version): restored "
+                        "unverified", s, self.directory)
+        return Restored(state=state, metadata=meta, loop_state=loop_state, step=s)
+
+    def _check_matches(self, s: int, meta: dict, abstract_state) -> None:
+        """CheckpointMismatchError (one line) if step `s` was written for another run than this one."""
+        where = f"checkpoint {self.directory} step {s}"
+        theirs, ours = meta.get("fingerprint") or {}, self.fingerprint or {}
+        diff = [k for k in ours if k in theirs and theirs[k] != ours[k]]
+        if diff:
+            was = " and ".join(f"{k} {theirs[k]!r}" for k in diff)
+            now = " and ".join((f"{k} {ours[k]!r}" if len(diff) > 1 else repr(ours[k])) for k in diff)
+            raise CheckpointMismatchError(f"{where} was written for {was}, this run has {now} (resume with the "
+                                          f"same model and task, or start a new workdir)")
+        layout = meta.get("layout")
+        if layout is None:
+            return
+        expected = _layout(abstract_state)
+        for name, (shape, dtype) in expected.items():
+            if name not in layout:
+                raise CheckpointMismatchError(f"{where} has no array {name}, which this run needs (was it written "
+                                              f"with another optimizer or model layout?)")
+            if layout[name] != [shape, dtype]:
+                had = layout[name]
+                raise CheckpointMismatchError(f"{where} holds {name} as {had[1]}{tuple(had[0])}, this run expects "
+                                              f"{dtype}{tuple(shape)}")
+        extra = [n for n in layout if n not in expected]
+        if extra:
+            raise CheckpointMismatchError(f"{where} holds array {extra[0]}, which this run does not have (was it "
+                                          f"written with another optimizer or model layout?)")
+
+    # ------------------------------------------------------------------ low-level reads
+    def _restore_json(self, s: int, item: str) -> dict:
+        """The JSON item `item` of step `s`; _StepBad (on every process) if any process cannot read it."""
+        try:
+            out, err = self._mngr.restore(s, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item], None
+        except Exception as e:  # noqa: BLE001
+            out, err = None, e
+        if not _all_ok(err is None):
+            raise _StepBad(_one_line(err) if err is not None else "a read error on another process")
+        return out
+
+    def _try_leaves(self, s: int, leaves: list, treedef, idx: list[int]):
+        """(the arrays `idx` of step `s`, others skipped, or None, the local error); all processes agree on None."""
+        want = set(idx)
+        tree = jax.tree.unflatten(treedef, [x if i in want else ocp.PLACEHOLDER for i, x in enumerate(leaves)])
+        try:
+            got = self._mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore(tree)))["state"]
+            flat = jax.tree.leaves(got, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+            out, err = [flat[i] for i in idx], None
+        except Exception as e:  # noqa: BLE001 (corruption surfaces as many exception types)
+            out, err = None, e
+        if not _all_ok(out is not None):
+            _collect_orphaned_futures()
+            return None, err
+        return out, None
+
+    def _restore_leaves(self, s: int, leaves: list, treedef, idx: list[int], names: list[str]) -> list:
+        """The arrays `idx` of step `s`; _StepBad naming the first unreadable one on a read error."""
+        out, err = self._try_leaves(s, leaves, treedef, idx)
+        if out is None:
+            which, first_err = self._first_unreadable(s, leaves, treedef, idx, err)
+            why = _one_line(first_err) if first_err is not None else "a read error on another process"
+            raise _StepBad(f"is unreadable (array {names[which]}: {why})" if which is not None
+                           else f"is unreadable ({why})")
+        return out
+
+    def _first_unreadable(self, s: int, leaves: list, treedef, idx: list[int], err):
+        """(leaf index, its error) of the first array of `idx` that cannot be read, by bisection; (None, err) if
+        no single array fails on its own. Costs about log2(len(idx)) partial reads, on the error path only."""
+        lo, hi = 0, len(idx)  # invariant: idx[lo:hi] holds an unreadable array
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            out, e = self._try_leaves(s, leaves, treedef, idx[lo:mid])
+            if out is None:
+                hi, err = mid, e
+            else:
+                lo = mid
+        if len(idx) > 1 and hi - lo == 1:
+            out, e = self._try_leaves(s, leaves, treedef, idx[lo:hi])
+            if out is not None:
+                return None, err  # not reproducible array by array
+            err = e
+        return idx[lo], err
+
+    # ------------------------------------------------------------------ retention
+    def _move_aside(self, steps: list[int]) -> dict[int, str]:
+        """Rename bad step directories to `<step>.corrupt[-n]` (kept for inspection, invisible to orbax)."""
+        moved = {}
+        for s in steps:
+            src = os.path.join(self.directory, str(s))
+            dst, n = src + ".corrupt", 1
+            while os.path.exists(dst):
+                dst, n = f"{src}.corrupt-{n}", n + 1
+            moved[s] = dst
+            if jax.process_index() == 0 and os.path.isdir(src):
+                os.rename(src, dst)
+            self._verified.discard(s)
+        _sync("nlac_checkpoint_move_aside")
+        self._mngr.reload()
+        return moved
+
+    def _collect_garbage(self) -> None:
+        """Delete every step older than the `keep`-th newest verified one (nothing while fewer are verified)."""
+        if self.keep is None:
+            return
+        self._mngr.reload()
+        steps = self.all_steps()
+        verified = [s for s in steps if s in self._verified]
+        if len(verified) < self.keep:
+            return
+        floor = verified[-self.keep]
+        for s in steps:
+            if s < floor:
+                self._mngr.delete(s)
+                self._verified.discard(s)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
-        """Block until pending async saves are on disk."""
-        self._mngr.wait_until_finished()
+        """Block until pending async saves are on disk and verified (then old steps are collected)."""
+        self._finish_pending()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
+        self._finish_pending()
         self._mngr.close()
 
     def __enter__(self):
