@@ -79,6 +79,48 @@ class LoopConfig:
     export_hf: bool = False
     seqio_task: str | None = None
 
+    def __post_init__(self):
+        # checked at start-up (train.load_gin builds a LoopConfig): a bad value is refused by name before anything
+        # is built, not hours later where it is first used
+        at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
+                      "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
+        at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
+                      "dump_examples", "seed")
+        for name in at_least_1:
+            _check_int(self, name, 1)
+        for name in at_least_0:
+            _check_int(self, name, 0)
+        for name in ("max_turns", "train_steps", "keep_checkpoints"):  # None: no limit / one pass / keep all
+            _check_int(self, name, 1, none_ok=True)
+        _check_float(self, "eval_temperature", 0.0, None, "a finite number >= 0 (0 = greedy)")
+        _check_float(self, "top_p", 0.0, 1.0, "a number in (0, 1] (1 = off)", lo_open=True)
+        if not isinstance(self.export_hf, bool):
+            raise TypeError(f"LoopConfig.export_hf = {self.export_hf!r}: expected True or False")
+        if self.seqio_task is not None and not isinstance(self.seqio_task, str):
+            raise TypeError(f"LoopConfig.seqio_task = {self.seqio_task!r}: expected a task name or None")
+
+
+def _check_int(cfg, name: str, lo: int, none_ok: bool = False) -> None:
+    """`cfg.name` must be an int >= lo (or None when none_ok); the error names LoopConfig.<name> and the value."""
+    v = getattr(cfg, name)
+    if v is None and none_ok:
+        return
+    want = f"an integer >= {lo}" + (" or None" if none_ok else "")
+    if not isinstance(v, int) or isinstance(v, bool):  # bool is an int subclass: True is not a count
+        raise TypeError(f"LoopConfig.{name} = {v!r}: expected {want}")
+    if v < lo:
+        raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
+
+
+def _check_float(cfg, name: str, lo: float, hi: float | None, want: str, lo_open: bool = False) -> None:
+    """`cfg.name` must be a finite real in the range; the error names LoopConfig.<name> and the value."""
+    v = getattr(cfg, name)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise TypeError(f"LoopConfig.{name} = {v!r}: expected {want}")
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
+
 
 @gin.configurable
 def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_dtype: str = "float32",
@@ -92,7 +134,9 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
     from nlac_jax import models, text, tiny
     run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
     if model_dir is not None:
-        return models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir), model_dir
+        cfg, tok = models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir)
+        models.check_tokenizer(cfg, tok, model_dir)
+        return cfg, tok, model_dir
     tok = tiny.make_tiny_tokenizer(vocab_size=tokenizer_vocab_size)
     cfg = models.ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden_size,
                              intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
@@ -478,64 +522,155 @@ SUMMARY_KEYS = (("collect/success_rate", "train success"), ("collect/mean_return
                 ("time/eval", "t eval"))
 
 
-def summary_table(rows: list[dict]) -> str:
-    """A fixed-width table of the key metrics, one row per iteration."""
+_EVAL_KEYS = ("eval/success_rate", "eval/mean_return", "eval/calib/return_mae", "eval/verdict/accuracy", "time/eval")
+
+
+def _why_empty(key: str, row: dict, missing: bool, eval_every: int | None) -> str:
+    """Why the summary cell of `key` in `row` shows '-' (missing) or nan (measured on nothing)."""
+    if missing:
+        if key in _EVAL_KEYS:
+            when = f" (every {eval_every} iterations and after the last: LoopConfig.eval_every)" if eval_every else ""
+            return f"no evaluation this iteration{when}"
+        if key in ("train/l1", "train/l2"):
+            return "no train step this iteration (no examples)"
+        return "not measured this iteration"
+    if key == "nlac/frac_optimal":
+        return "no evaluator verdict parsed (no policy example, or every critique lacked a verdict line: " \
+               "nlac/verdict_unparsable)"
+    if key == "eval/calib/return_mae":
+        return "no successor summary had a readable 'Outcome: ...; Return: ...' line (eval/calib/parse_rate)"
+    if key == "eval/verdict/accuracy":
+        if row.get("eval/verdict/n") == 0:
+            return "no held-out action whose optimality the task knows (eval/verdict/n = 0)"
+        return "no evaluator verdict parsed on the held-out actions (eval/verdict/parse_rate)"
+    if key in ("train/l1", "train/l2"):
+        return "no finite loss (no example of this kind, or a non-finite step)"
+    return "nothing to measure this iteration"
+
+
+def summary_table(rows: list[dict], eval_every: int | None = None) -> str:
+    """A fixed-width table of the key metrics, one row per iteration, with a footnote line per reason a cell is
+    empty ('-': not measured this iteration; nan: measured on nothing), naming the columns it applies to."""
     cols = [(k, n) for k, n in SUMMARY_KEYS if any(k in r for r in rows)]
     head = "iter | " + " | ".join(f"{n:>14}" for _, n in cols)
     lines = [head, "-" * len(head)]
+    notes: dict[tuple[str, str], list[str]] = {}  # (mark, reason) -> column names, in column order
     for r in rows:
         cells = []
-        for k, _ in cols:
+        for k, name in cols:
             v = r.get(k)
-            cells.append(f"{v:>14.3f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>14}")
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            cells.append(f"{v:>14.3f}" if number else f"{'-':>14}")
+            if not number or not math.isfinite(v):
+                mark = "-" if not number else "nan"
+                names = notes.setdefault((mark, _why_empty(k, r, not number, eval_every)), [])
+                if name not in names:
+                    names.append(name)
         lines.append(f"{r['iteration']:>4} | " + " | ".join(cells))
+    for (mark, reason), names in notes.items():
+        lines.append(f"  {mark} in {', '.join(names)}: {reason}")
     return "\n".join(lines)
 
 
+def finished_iterations(workdir: str) -> int | None:
+    """Iterations the run in `workdir` has finished according to its latest checkpoint (the loop saves iteration
+    i under step i), or None when it has none. Reads the checkpoint directory's listing only (nothing is built)."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    from nlac_jax import training
+    ckpt = training.Checkpointer(directory, keep=None, async_save=False)
+    try:
+        return ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+def write_config_gin(workdir: str) -> str:
+    """Write the operative gin config to workdir/config.gin atomically (a temporary file renamed over it), so an
+    interrupted or failing write never leaves a truncated or foreign config.gin. Returns the path."""
+    path = os.path.join(workdir, "config.gin")
+    text = gin.config_str()  # before touching the file: a failure here leaves the old one as it was
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _close_after_error(r: "NLACRun", writer: "MetricsWriter | None") -> None:
+    """On the error path: finish pending async checkpoint writes and release orbax's background work, so the
+    error is the last thing the run reports (a failure while closing is logged, never raised over the error)."""
+    for close in (r.checkpointer.close, writer.close if writer is not None else None):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001  the original error is the one to report
+            log.warning("while closing after an error: %s: %s", type(e).__name__, " ".join(str(e).split())[:300])
+
+
 def run(workdir: str) -> list[dict]:
-    """Run (or resume) the gin-configured NLAC loop in `workdir`. Returns the metrics of this invocation."""
+    """Run (or resume) the gin-configured NLAC loop in `workdir`. Returns the metrics of this invocation ([] when
+    the run had already finished every iteration: it says so in one line and builds nothing)."""
     import jax
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    r = NLACRun(workdir)
     main_proc = jax.process_index() == 0
-    if main_proc:
-        with open(os.path.join(r.workdir, "config.gin"), "w") as f:
-            f.write(gin.config_str())
-    writer = MetricsWriter(r.workdir, r.start_iteration, enabled=main_proc)
-    os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
-    rows = []
-    bar = tqdm(total=r.loop.iterations * len(PHASES), initial=r.start_iteration * len(PHASES),
-               disable=not main_proc, desc="nlac", dynamic_ncols=True)
-
-    for it in range(r.start_iteration, r.loop.iterations):
-        done_phases = []
-
-        def bars(phase, it=it):
-            if done_phases:
-                bar.update(1)
-            done_phases.append(phase)
-            bar.set_description(f"iter {it + 1}/{r.loop.iterations} {phase}")
-
-        m, dump = r.iteration(it, bars)
-        bar.update(len(PHASES) - len(done_phases) + 1)
-        r.save(it)
+    iterations = LoopConfig().iterations
+    done = finished_iterations(workdir)
+    if done is not None and done >= iterations:
         if main_proc:
-            with open(os.path.join(r.workdir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
-                f.write(dump)
-        writer.write(m)
-        rows.append(m)
-    bar.close()
-    r.checkpointer.wait()
-    if r.loop.export_hf and main_proc:
-        from nlac_jax import training
-        training.export_hf(os.path.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
-        r.tokenizer.save_pretrained(os.path.join(r.workdir, "hf_export"))
-    r.checkpointer.close()
-    writer.close()
+            print(f"{os.path.abspath(workdir)}: the run is finished ({done} of {iterations} iterations done); "
+                  f"nothing to do (raise LoopConfig.iterations to continue it)")
+        return []
+    r = NLACRun(workdir)  # every start-up check passes before config.gin is (re)written
+    writer, closed = None, False
+    try:
+        if main_proc:
+            write_config_gin(r.workdir)
+        writer = MetricsWriter(r.workdir, r.start_iteration, enabled=main_proc)
+        os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
+        rows = []
+        bar = tqdm(total=r.loop.iterations * len(PHASES), initial=r.start_iteration * len(PHASES),
+                   disable=not main_proc, desc="nlac", dynamic_ncols=True)
+
+        for it in range(r.start_iteration, r.loop.iterations):
+            done_phases = []
+
+            def bars(phase, it=it):
+                if done_phases:
+                    bar.update(1)
+                done_phases.append(phase)
+                bar.set_description(f"iter {it + 1}/{r.loop.iterations} {phase}")
+
+            m, dump = r.iteration(it, bars)
+            bar.update(len(PHASES) - len(done_phases) + 1)
+            r.save(it)
+            if main_proc:
+                with open(os.path.join(r.workdir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
+                    f.write(dump)
+            writer.write(m)
+            rows.append(m)
+        bar.close()
+        r.checkpointer.wait()
+        if r.loop.export_hf and main_proc:
+            from nlac_jax import training
+            training.export_hf(os.path.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
+            r.tokenizer.save_pretrained(os.path.join(r.workdir, "hf_export"))
+        r.checkpointer.close()
+        writer.close()
+        closed = True
+    finally:
+        if not closed:
+            _close_after_error(r, writer)
     if main_proc and rows:
-        print("\n" + summary_table(rows))
+        print("\n" + summary_table(rows, eval_every=r.loop.eval_every))
         try:
             from nlac_jax import plot
             png = plot.plot_workdir(r.workdir)

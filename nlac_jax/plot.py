@@ -1,12 +1,24 @@
-"""`python -m nlac_jax.plot --workdir DIR`: PNG learning curves from DIR/metrics.jsonl."""
+"""PNG learning curves of an NLAC run from its metrics.
+
+    python -m nlac_jax.plot --workdir DIR [--out FILE]
+
+Reads DIR/metrics.jsonl (one line per finished iteration, written by nlac_jax.train) and draws success rate,
+return, the two losses, the critic diagnostics and seconds per phase. Prints the PNG's path.
+
+Exit codes: 0 done; 2 usage error (no such --workdir, no metrics.jsonl in it); 1 any other error (a malformed
+metrics line, an unwritable --out); --debug shows the full traceback instead of one line.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
+
+from nlac_jax import cli
+
+PROG = "python -m nlac_jax.plot"
 
 PANELS = (
     ("success rate", ("collect/success_rate", "eval/success_rate")),
@@ -19,11 +31,23 @@ PANELS = (
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """The rows of `workdir`/metrics.jsonl (FileNotFoundError naming the file; ValueError naming a bad line)."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics file (run nlac_jax.train with --workdir {workdir} first)")
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "iteration" not in row:
+                raise ValueError(f"{path} line {n}: expected a JSON object with an 'iteration'")
+            rows.append(row)
+    return rows
 
 
 def plot_workdir(workdir: str, out: str | None = None) -> str:
@@ -53,14 +77,24 @@ def plot_workdir(workdir: str, out: str | None = None) -> str:
     return out
 
 
+def build_parser() -> cli.ArgumentParser:
+    """The plot CLI's parser."""
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--workdir", required=True, metavar="DIR", help="run directory holding metrics.jsonl")
+    p.add_argument("--out", default=None, metavar="FILE", help="PNG to write (default DIR/learning_curves.png)")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nlac_jax.plot", description=__doc__)
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
+    """The plot CLI (see the module docstring); errors propagate (run through `cli.run` for one-line errors)."""
+    a = build_parser().parse_args(argv)
+    cli.require_dir(a.workdir, "--workdir")
+    if not os.path.isfile(os.path.join(a.workdir, "metrics.jsonl")):
+        raise cli.UsageError(f"--workdir {a.workdir}: no metrics.jsonl (run nlac_jax.train with --workdir "
+                             f"{a.workdir} first)")
     print(plot_workdir(a.workdir, a.out))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, prog=PROG))

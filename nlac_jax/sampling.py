@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 from typing import Sequence
 
@@ -587,6 +588,21 @@ def _cut_text(text: str, stop_strings: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------- the Sampler
 
 
+def _check_sampling_args(temperature, top_k, top_p) -> None:
+    """Refuse values the compiled filters would silently ignore or turn into garbage (top_p > 1 and top_k < 0 act
+    as 'off', a NaN temperature samples from NaN logits), naming the argument and the value."""
+    try:
+        t, p = float(temperature), float(top_p)
+    except (TypeError, ValueError):
+        raise TypeError(f"temperature={temperature!r}, top_p={top_p!r}: expected numbers") from None
+    if not (math.isfinite(t) and t >= 0.0):
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
+    if not (0.0 < p <= 1.0):  # NaN fails too
+        raise ValueError(f"top_p={top_p!r}: expected a number in (0, 1] (1 = off)")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: expected an integer >= 0 (0 = off)")
+
+
 def _as_key(seed) -> Array:
     if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         return seed
@@ -737,6 +753,7 @@ class Sampler:
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        _check_sampling_args(temperature, top_k, top_p)
         if isinstance(stop_strings, str):
             stop_strings = (stop_strings,)
         stop_strings = tuple(s for s in stop_strings)

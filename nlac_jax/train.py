@@ -1,61 +1,146 @@
-"""`python -m nlac_jax.train --gin_file=F [--gin_file=G ...] [--gin_param='x.y = z' ...] [--workdir DIR]`.
+"""Train (or resume) the gin-configured NLAC loop of `nlac_jax.loop`.
 
-Runs (or resumes, when DIR holds checkpoints) the gin-configured NLAC loop of `nlac_jax.loop`. Gin errors (unknown
-configurables or parameters, missing required bindings, malformed files) stop the run at start-up with gin's
-message, before any model is built or compiled.
+    python -m nlac_jax.train --gin_file=F [--gin_file=G ...] [--gin_param='x.y = z' ...] [--workdir DIR]
+
+Re-running the same command with the same DIR resumes from its latest checkpoint; a run whose iterations are all
+done says so and exits 0. Everything that can be checked before a model is built is checked at start-up (gin typos,
+missing required bindings, malformed files, values of the wrong type or out of range, a batch size the mesh cannot
+split, a tokenizer that does not fit the model): the run stops with one line naming the key or value.
+
+Exit codes: 0 done; 2 usage or configuration error; 1 any other error (a file that cannot be read or written, a
+checkpoint that cannot be restored, ...); --debug shows the full traceback instead of one line (nlac_jax/cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+import re
 import sys
+import tempfile
 
 import gin
 
+from nlac_jax import cli
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROG = "python -m nlac_jax.train"
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nlac_jax", "xla")
 
 
-def parse_flags(argv=None, prog="python -m nlac_jax.train", extra=None):
-    p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable; later files override)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'LoopConfig.iterations = 3'")
-    p.add_argument("--workdir", default=None, help="run directory (default runs/<first gin file name>)")
-    p.add_argument("--multihost", action="store_true", help="call jax.distributed.initialize() (TPU pods)")
-    p.add_argument("--compilation_cache", default=os.path.join(os.path.expanduser("~"), ".cache", "nlac_jax", "xla"),
-                   help="persistent XLA compilation cache directory ('' = off); $JAX_COMPILATION_CACHE_DIR wins")
-    if extra is not None:
-        extra(p)
-    return p.parse_args(argv)
+def add_gin_flags(p, workdir_help: str) -> None:
+    """The flags every gin-configured CLI shares: --gin_file, --gin_param, --workdir, --compilation_cache."""
+    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
+                   help="gin file, e.g. gin/runs/demo_cpu.gin (repeatable; later files override earlier ones)")
+    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
+                   help="one gin binding, e.g. 'LoopConfig.iterations = 3' (repeatable; applied after the files)")
+    p.add_argument("--workdir", default=None, metavar="DIR", help=workdir_help)
+    p.add_argument("--compilation_cache", default=DEFAULT_COMPILATION_CACHE, metavar="DIR",
+                   help="persistent XLA compilation cache directory ('' = off; $JAX_COMPILATION_CACHE_DIR wins)")
 
 
-class GinConfigError(SystemExit):
-    pass
+def build_parser() -> cli.ArgumentParser:
+    """The train CLI's parser (each CLI has its own: `--help` describes that CLI)."""
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    add_gin_flags(p, "run directory: checkpoints, metrics, examples, config.gin (default runs/<first gin file name>); "
+                     "an existing one is resumed")
+    p.add_argument("--multihost", action="store_true",
+                   help="call jax.distributed.initialize() first (TPU pods: every worker runs the same command)")
+    return p
 
 
-def load_gin(files, params) -> None:
-    """Parse gin files/bindings and check required bindings; exit with gin's one-line message on any error."""
-    for d in (os.getcwd(), REPO_ROOT):
-        gin.add_config_file_search_path(d)
+def parse_flags(argv=None):
+    """The train CLI's flags."""
+    return build_parser().parse_args(argv)
+
+
+class GinConfigError(cli.UsageError):
+    """The gin configuration cannot run (exit code 2); the message is one line naming the file, key or value."""
+
+
+# gin appends "In call to configurable 'X' (<class 'module.X'>)" to errors raised inside a configurable
+_GIN_CONTEXT = re.compile(r"In call to configurable '([^']+)' \(<[^>]*>\)")
+
+
+def gin_message(e: BaseException) -> str:
+    """A gin-related error as one line, with gin's configurable context shortened."""
+    msg = " ".join(str(e).split())
+    return _GIN_CONTEXT.sub(r"(in configurable '\1')", msg)
+
+
+def _bound(name: str, default):
+    """The gin value bound to `name` ('configurable.param'), or `default` when nothing binds it."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
+
+
+def check_mesh_fits(loop_cfg, model_cfg) -> None:
+    """Start-up checks that need the mesh or the model config: the train batch must split over the mesh's
+    data-parallel size and into the gradient-accumulation micro-batches, max_len must fit the model context."""
+    from nlac_jax import sharding
+    mesh = sharding.make_mesh()
+    dp = sharding.data_parallel_size(mesh)
+    B = loop_cfg.batch_size
+    if B % dp:
+        raise ValueError(f"LoopConfig.batch_size = {B} is not divisible by the mesh's data-parallel size {dp} "
+                         f"(mesh {dict(mesh.shape)}); use a multiple of {dp}")
+    m = _bound("make_train_step.num_microbatches", 1)
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"make_train_step.num_microbatches = {m!r}: expected an integer >= 1")
+    if B % m:
+        raise ValueError(f"LoopConfig.batch_size = {B} is not divisible by make_train_step.num_microbatches = {m}")
+    context = model_cfg.max_position_embeddings
+    if context and loop_cfg.max_len > context:
+        raise ValueError(f"LoopConfig.max_len = {loop_cfg.max_len} exceeds the model context "
+                         f"(max_position_embeddings = {context}); lower LoopConfig.max_len")
+
+
+_SEARCH_PATHS: set = set()
+
+
+def load_gin(files, params, check_mesh: bool = True) -> None:
+    """Parse gin files/bindings and check, before any model is built, that the configuration can run: required
+    bindings, value types and ranges (the configurables' own checks), the tokenizer against the model config, and
+    (check_mesh) the batch against the mesh. Raises GinConfigError (one line) on any error."""
+    for d in dict.fromkeys((os.getcwd(), REPO_ROOT)):
+        if d not in _SEARCH_PATHS:  # gin appends on every call; error messages list each path once
+            gin.add_config_file_search_path(d)
+            _SEARCH_PATHS.add(d)
     import nlac_jax.configurables  # noqa: F401  (registers every configurable with gin)
     from nlac_jax import envs, loop
+    from nlac_jax.nlac import targets
     try:
         gin.parse_config_files_and_bindings(files, params)
         # build the cheap configurables once: a missing %gin.REQUIRED or a bad value fails here, not mid-run
-        loop.LoopConfig()
+        loop_cfg = loop.LoopConfig()
+        targets.TargetConfig()
         envs.make_env_factory()
         envs.make_task_source()
-        loop.build_model()  # config.json + tokenizer only (weights load later, straight into their shardings)
+        model_cfg, _, _ = loop.build_model()  # config.json + tokenizer only (weights load later, sharded)
+        if check_mesh:
+            check_mesh_fits(loop_cfg, model_cfg)
     except Exception as e:  # noqa: BLE001  gin raises ValueError/KeyError/TypeError/ParseError/... with good text
-        msg = " ".join(str(e).split())
-        raise GinConfigError(f"gin configuration error ({type(e).__name__}): {msg}") from None
+        raise GinConfigError(f"gin configuration error ({type(e).__name__}): {gin_message(e)}") from None
 
 
 def setup_logging() -> None:
+    """INFO logging to stderr for the CLIs, without the per-file INFO lines of absl/orbax, jax and matplotlib."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "matplotlib"):  # orbax logs every file it writes at INFO through absl
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # gin logs each file lookup on the root logger ("Path not found" at ERROR before the error that says so)
+    root = logging.getLogger()
+    if not any(isinstance(f, _DropGinRecords) for f in root.filters):
+        root.addFilter(_DropGinRecords())
+
+
+class _DropGinRecords(logging.Filter):
+    """Drops the records gin's file reader logs directly on the root logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}gin{os.sep}" not in record.pathname
 
 
 def enable_compilation_cache(directory: str) -> None:
@@ -69,23 +154,39 @@ def enable_compilation_cache(directory: str) -> None:
 
 
 def default_workdir(gin_files) -> str:
+    """runs/<name of the first gin file>."""
     return os.path.join("runs", os.path.splitext(os.path.basename(gin_files[0]))[0])
 
 
+def check_writable_dir(path: str, flag: str = "--workdir") -> None:
+    """Create `path` if needed and check that files can be written in it (UsageError naming the flag otherwise);
+    remote paths (scheme://) are left to the code that writes them."""
+    if "://" in path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise cli.UsageError(f"{flag} {path}: not a writable directory ({type(e).__name__}: "
+                             f"{e.strerror or e})") from None
+
+
 def main(argv=None) -> int:
+    """The train CLI (see the module docstring); errors propagate (run through `cli.run` for one-line errors)."""
     flags = parse_flags(argv)
     setup_logging()
-    if not flags.gin_file:
-        raise SystemExit("--gin_file is required (e.g. --gin_file=gin/runs/demo_cpu.gin)")
-    load_gin(flags.gin_file, flags.gin_param)
-    enable_compilation_cache(flags.compilation_cache)
-    if flags.multihost:
+    if flags.multihost:  # before anything touches the devices (load_gin builds the mesh to check the batch)
         import jax
         jax.distributed.initialize()
+    load_gin(flags.gin_file, flags.gin_param)
+    workdir = flags.workdir or default_workdir(flags.gin_file)
+    check_writable_dir(workdir)
+    enable_compilation_cache(flags.compilation_cache)
     from nlac_jax import loop
-    loop.run(flags.workdir or default_workdir(flags.gin_file))
+    loop.run(workdir)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, prog=PROG))

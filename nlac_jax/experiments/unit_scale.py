@@ -14,7 +14,6 @@ The unit-scale learning experiment (README, "Does NLAC learn?"):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -252,14 +251,30 @@ def run_experiment(workdir: str) -> dict:
     return {"results": results, "seconds": seconds, "reference": reference, "table": table}
 
 
+PROG = "python -m nlac_jax.experiments.unit_scale"
+
+
+def build_parser():
+    """The experiment CLI's parser."""
+    from nlac_jax import cli, train
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
+                   help="gin file, e.g. gin/experiments/unit_toy.gin (repeatable; later files override)")
+    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
+                   help="one gin binding, e.g. 'experiments.UnitScaleConfig.seeds = (0,)' (repeatable)")
+    p.add_argument("--workdir", required=True, metavar="DIR",
+                   help="experiment directory (warm start, arms, results.md); a rerun skips finished (arm, seed) "
+                        "pairs")
+    p.add_argument("--compilation_cache", default=train.DEFAULT_COMPILATION_CACHE, metavar="DIR",
+                   help="persistent XLA compilation cache directory ('' = off; $JAX_COMPILATION_CACHE_DIR wins)")
+    return p
+
+
 def main(argv=None) -> int:
+    """The experiment's CLI (module docstring). Exit codes as nlac_jax.train: 2 usage/configuration error, 1 other
+    errors, one line each (--debug: the traceback)."""
     from nlac_jax import train
-    p = argparse.ArgumentParser(prog="python -m nlac_jax.experiments.unit_scale", description=__doc__.split("\n")[0])
-    p.add_argument("--gin_file", action="append", default=[], required=True)
-    p.add_argument("--gin_param", action="append", default=[])
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--compilation_cache", default=os.path.join(os.path.expanduser("~"), ".cache", "nlac_jax", "xla"))
-    flags = p.parse_args(argv)
+    flags = build_parser().parse_args(argv)
     train.setup_logging()
     import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
     train.load_gin(flags.gin_file, flags.gin_param)
@@ -267,11 +282,13 @@ def main(argv=None) -> int:
     try:
         UnitScaleConfig()
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"gin configuration error: {e}") from None
+        raise train.GinConfigError(f"gin configuration error ({type(e).__name__}): {train.gin_message(e)}") from None
+    train.check_writable_dir(flags.workdir)
     train.enable_compilation_cache(flags.compilation_cache)
     run_experiment(flags.workdir)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nlac_jax import cli
+    sys.exit(cli.run(main, prog=PROG))

@@ -25,6 +25,7 @@ from nlac_jax.models.decoder import CACHE_LOGICAL_AXES, CausalLM, init_cache
 from nlac_jax.models.hf_io import CheckpointError
 
 __all__ = ["ModelConfig", "ConfigError", "CheckpointError", "CausalLM", "Model", "load_pretrained", "random_model",
+           "check_tokenizer",
            "init_params", "param_logical_axes", "param_shardings", "stack_layers", "unstack_layers", "init_cache",
            "CACHE_LOGICAL_AXES", "positions_from_mask", "forward"]
 
@@ -140,13 +141,36 @@ def load_pretrained(model_dir: str, dtype: str = "float32", param_dtype: str | N
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"{model_dir}: model directory does not exist")
     cfg = ModelConfig.from_hf_file(model_dir, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
-    shardings = param_shardings(cfg, mesh) if mesh is not None else None
-    params = hf_io.load_params(model_dir, cfg, shardings)
     tok = None
     if load_tokenizer and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         from nlac_jax import text
         tok = text.load_tokenizer(model_dir)
+        check_tokenizer(cfg, tok, model_dir)  # before the weights: a mismatch is refused in seconds
+    shardings = param_shardings(cfg, mesh) if mesh is not None else None
+    params = hf_io.load_params(model_dir, cfg, shardings)
     return Model(cfg, params, tok)
+
+
+def check_tokenizer(cfg: ModelConfig, tokenizer, source: str | None = None) -> None:
+    """Refuse a tokenizer that does not fit the model: more tokens than embedding rows (len(tokenizer) >
+    cfg.vocab_size), or a special token (bos / eos / pad of the tokenizer or of config.json, the chat turn-end
+    token) whose id has no embedding row. Raises ConfigError naming both sizes (and `source`, the model directory)."""
+    V, n = cfg.vocab_size, len(tokenizer)
+    where = f" ({source})" if source else ""
+    if n > V:
+        raise ConfigError(f"tokenizer{where} has {n} tokens but the model's embedding has vocab_size={V}: ids >= {V} "
+                          f"have no embedding row (use the tokenizer that belongs to these weights)")
+    specials = {f"tokenizer.{k}": getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    specials.update({f"config.{k}": getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    vocab = tokenizer.get_vocab()
+    for tok in ("<|im_end|>", "<|eot_id|>"):  # the chat turn-end token (text.turn_end_token_id)
+        if tok in vocab:
+            specials[tok] = vocab[tok]
+    for name, ids in specials.items():
+        for i in (ids if isinstance(ids, (list, tuple)) else [ids]):
+            if i is not None and not 0 <= int(i) < V:
+                raise ConfigError(f"{name} = {int(i)}{where} is outside the model's embedding (vocab_size={V}; the "
+                                  f"tokenizer has {n} tokens)")
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, mesh=None, tokenizer=None) -> Model:

@@ -55,7 +55,7 @@ from typing import Callable, Mapping, Sequence
 
 import gin
 
-from nlac_jax.nlac.prompts import PromptSet, get_prompt_set, render_transcript
+from nlac_jax.nlac.prompts import CHAT_ROLES, PromptSet, get_prompt_set, render_transcript
 from nlac_jax.nlac.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
 from nlac_jax.nlac.verdict import (
     clean_action,
@@ -153,6 +153,22 @@ class TargetConfig:
             raise ValueError("ablate_critique needs m_refinements >= 1 (nothing else can become a target)")
         if self.ablate_critique and self.recritique:
             raise ValueError("ablate_critique and recritique exclude each other (there is no critic to re-ask)")
+        # per-role sampling settings: refused at start-up by role and value (a NaN temperature samples garbage)
+        for field, want in (("temperatures", "a finite number >= 0"), ("max_new_tokens", "an integer >= 1")):
+            d = getattr(self, field)
+            if not isinstance(d, dict):
+                raise TypeError(f"TargetConfig.{field} = {d!r}: expected a dict role -> {want}")
+            unknown = [r for r in d if r not in CHAT_ROLES]
+            if unknown or "policy" not in d:  # a typo'd role would be ignored; roles without an entry use 'policy'
+                raise ValueError(f"TargetConfig.{field} = {d!r}: needs a 'policy' entry and only the roles "
+                                 f"{list(CHAT_ROLES)}" + (f" (unknown: {unknown})" if unknown else ""))
+            for role, v in d.items():
+                if field == "temperatures":
+                    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                else:
+                    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                if not ok:
+                    raise ValueError(f"TargetConfig.{field}[{role!r}] = {v!r}: expected {want}")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,195 @@
+"""The CLIs' error surface: a bad input gets ONE line on stderr naming the file, key or value, no traceback, and a
+documented exit code (2 usage/config, 1 other; nlac_jax/cli.py); --debug shows the traceback; each CLI has its own
+--help; a finished run says so and exits 0; a failed resume ends in one line, without asyncio noise.
+
+Every bad-input case fails at start-up, before a model is built (a few seconds each)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gin
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = "--gin_file=gin/runs/demo_cpu.gin"
+
+
+def _run(module, *args, timeout=180):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_line(res, code, *needles):
+    """Exactly one stderr line, no traceback, the exit code, and every needle in that line."""
+    lines = res.stderr.splitlines()
+    assert res.returncode == code, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert " error: " in lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def mismatched_model_dir(tmp_path_factory):
+    """An HF directory whose tokenizer (512 tokens) is larger than its embedding (vocab_size=256); no weights."""
+    from nlac_jax import models, tiny
+    d = tmp_path_factory.mktemp("mismatch")
+    cfg = models.ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16)
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    tiny.make_tiny_tokenizer(out_dir=str(d))
+    return str(d)
+
+
+# ----------------------------------------------------------------------------- train
+@pytest.mark.parametrize("param,needles", [
+    ("LoopConfig.iterations = 'four'", ["LoopConfig.iterations = 'four'", "integer >= 1"]),
+    ("LoopConfig.iterations = -3", ["LoopConfig.iterations = -3"]),
+    ("LoopConfig.top_p = 1.5", ["LoopConfig.top_p = 1.5", "(0, 1]"]),
+    ("LoopConfig.eval_temperature = -1.0", ["LoopConfig.eval_temperature = -1.0"]),
+    ("nlac.TargetConfig.max_new_tokens = {'policy': 0}", ["TargetConfig.max_new_tokens['policy'] = 0"]),
+    ("nlac.TargetConfig.temperatures = {'policy': 1e999}", ["TargetConfig.temperatures['policy'] = inf"]),
+    ("LoopConfig.batch_size = 6", ["LoopConfig.batch_size = 6", "data-parallel size 8"]),
+    ("LoopConfig.iteratons = 3", ["iteratons"]),
+])
+def test_train_refuses_bad_gin_values_in_one_line(tmp_path, param, needles):
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.gin").write_text("# the run's own config\n")
+    res = _run("nlac_jax.train", DEMO, f"--workdir={wd}", f"--gin_param={param}")
+    _one_line(res, 2, "gin configuration error", *needles)
+    assert (wd / "config.gin").read_text() == "# the run's own config\n"  # a failing start never rewrites it
+    assert not (wd / "checkpoints").exists()
+
+
+def test_train_usage_errors(tmp_path):
+    _one_line(_run("nlac_jax.train"), 2, "--gin_file")
+    _one_line(_run("nlac_jax.train", "--gin_file=gin/runs/nope.gin", f"--workdir={tmp_path}"), 2, "gin/runs/nope.gin")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    _one_line(_run("nlac_jax.train", DEMO, f"--workdir={a_file}"), 2, "--workdir", str(a_file), "not a writable")
+
+
+def test_train_refuses_a_tokenizer_larger_than_the_model(mismatched_model_dir, tmp_path):
+    res = _run("nlac_jax.train", DEMO, f"--workdir={tmp_path}",
+               f"--gin_param=build_model.model_dir = '{mismatched_model_dir}'")
+    _one_line(res, 2, "512 tokens", "vocab_size=256", mismatched_model_dir)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    res = _run("nlac_jax.train", DEMO, f"--workdir={tmp_path}", "--gin_param=LoopConfig.iterations = 'four'",
+               "--debug")
+    assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr
+    assert "LoopConfig.iterations = 'four'" in res.stderr
+
+
+# ----------------------------------------------------------------------------- evaluate, generate, plot, unit_scale
+def test_evaluate_usage_errors(tmp_path):
+    _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}/nope"), 2, "--checkpoint", "no such directory")
+    _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}", "--params=theta"), 2, "--params", "'theta'")
+    _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}", "--gin_param=LoopConfig.top_p = 2"), 2,
+              "LoopConfig.top_p = 2")
+
+
+@pytest.mark.parametrize("flag,needle", [
+    ("--top_p=1.5", "--top_p: '1.5'"), ("--top_k=-5", "--top_k: '-5'"), ("--temperature=nan", "--temperature: 'nan'"),
+    ("--temperature=-1", "--temperature: '-1'"), ("--max_new_tokens=0", "--max_new_tokens: '0'"),
+    ("--top_k=two", "--top_k: 'two' is not an integer"),
+])
+def test_generate_refuses_bad_sampling_flags(tmp_path, flag, needle):
+    _one_line(_run("nlac_jax.generate", f"--model_dir={tmp_path}", "--prompt=hi", flag), 2, needle)
+
+
+def test_generate_file_errors(tmp_path, mismatched_model_dir):
+    _one_line(_run("nlac_jax.generate", f"--model_dir={tmp_path}/nope", "--prompt=hi"), 2, "--model_dir",
+              "no such directory")
+    _one_line(_run("nlac_jax.generate", f"--model_dir={tmp_path}", "--prompt=hi"), 2, "no tokenizer.json")
+    _one_line(_run("nlac_jax.generate", f"--model_dir={mismatched_model_dir}", f"--prompt_file={tmp_path}/p.jsonl"),
+              2, "--prompt_file", "p.jsonl", "no such file")
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    _one_line(_run("nlac_jax.generate", f"--model_dir={mismatched_model_dir}", f"--prompt_file={bad}"), 2,
+              str(bad), "line 2", "not valid JSON")
+    # the tokenizer is checked against config.json before any weight is read (this directory has none)
+    _one_line(_run("nlac_jax.generate", f"--model_dir={mismatched_model_dir}", "--prompt=hi"), 2,
+              "512 tokens", "vocab_size=256")
+
+
+def test_plot_errors(tmp_path):
+    _one_line(_run("nlac_jax.plot", f"--workdir={tmp_path}/nope"), 2, "--workdir", "no such directory")
+    _one_line(_run("nlac_jax.plot", f"--workdir={tmp_path}"), 2, "no metrics.jsonl")
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2, \n')
+    _one_line(_run("nlac_jax.plot", f"--workdir={tmp_path}"), 1, "metrics.jsonl line 2", "not valid JSON")
+
+
+def test_unit_scale_errors(tmp_path):
+    _one_line(_run("nlac_jax.experiments.unit_scale", "--gin_file=gin/experiments/unit_toy_smoke.gin"), 2,
+              "--workdir")
+    res = _run("nlac_jax.experiments.unit_scale", "--gin_file=gin/experiments/unit_toy_smoke.gin",
+               f"--workdir={tmp_path}", "--gin_param=experiments.UnitScaleConfig.seeds = ()")
+    _one_line(res, 2, "UnitScaleConfig.seeds is empty")
+
+
+# ----------------------------------------------------------------------------- --help
+def test_each_cli_has_its_own_help():
+    res = _run("nlac_jax.evaluate", "--help")
+    assert res.returncode == 0
+    assert "usage: python -m nlac_jax.evaluate" in res.stdout and "Evaluate a checkpoint" in res.stdout
+    assert "--checkpoint" in res.stdout and "Train (or resume)" not in res.stdout
+
+
+def test_every_flag_of_every_cli_has_help():
+    from nlac_jax import evaluate, generate, plot, train
+    from nlac_jax.experiments import unit_scale
+    for mod in (train, evaluate, generate, plot, unit_scale):
+        p = mod.build_parser()
+        assert p.prog == mod.PROG and p.description
+        for a in p._actions:
+            assert a.help, (mod.PROG, a.option_strings)
+        assert any("--debug" in a.option_strings for a in p._actions)
+
+
+# ----------------------------------------------------------------------------- runs with a checkpoint
+@pytest.fixture(scope="module")
+def one_iteration_checkpoint(tmp_path_factory):
+    """A workdir whose checkpoints hold iteration 1 of the demo's tiny model (saved directly, no run)."""
+    from nlac_jax import loop, sharding, train, training
+    wd = tmp_path_factory.mktemp("finished")
+    try:
+        train.load_gin(["gin/runs/demo_cpu.gin"], [])
+        cfg, _, _ = loop.build_model()
+        mesh = sharding.make_mesh()
+        opt = training.make_optimizer()
+        state = training.create_train_state(cfg, mesh, opt, seed=0)
+        ckpt = training.Checkpointer(str(wd / "checkpoints"), keep=None)
+        ckpt.save(state, metadata={"env": "toy", "iteration": 1}, loop_state={"iteration": 1}, step=1, force=True)
+        ckpt.close()
+    finally:
+        gin.clear_config()
+    return wd
+
+
+def test_a_finished_run_says_so_and_builds_nothing(one_iteration_checkpoint):
+    wd = one_iteration_checkpoint
+    res = _run("nlac_jax.train", DEMO, f"--workdir={wd}", "--gin_param=LoopConfig.iterations = 1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout.strip().splitlines()
+    assert len(out) == 1 and "the run is finished (1 of 1 iterations done)" in out[0], res.stdout
+    assert "resumed from" not in res.stderr and "initial prompt tokens" not in res.stderr  # nothing was built
+    assert not (wd / "config.gin").exists() and not (wd / "metrics.jsonl").exists()
+
+
+def test_a_failed_restore_is_one_error_line_without_asyncio_noise(one_iteration_checkpoint, tmp_path):
+    # a model of another width cannot restore the checkpoint: every step fails, orbax abandons its reads
+    res = _run("nlac_jax.evaluate", DEMO, f"--checkpoint={one_iteration_checkpoint}/checkpoints",
+               f"--workdir={tmp_path}", "--gin_param=build_model.hidden_size = 32", timeout=600)
+    assert res.returncode in (1, 2), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "Event loop is closed" not in res.stderr, res.stderr[-3000:]
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m nlac_jax.evaluate: error: ") and "checkpoints" in last, last
