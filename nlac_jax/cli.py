@@ -19,8 +19,6 @@ AttributeError, XLA runtime errors: bugs, or errors whose detail matters) keeps 
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import sys
 import warnings
 from typing import Callable, Sequence
@@ -154,15 +152,11 @@ def _install_quiet_hooks(prog: str) -> None:
 
 
 def _settle_async_work() -> None:
-    """Collect objects left behind by the failed call (orphaned futures of a failed orbax read, a half-built run's
-    checkpoint manager) now, quietly, so interpreter shutdown has nothing left to complain about."""
-    logger = logging.getLogger("asyncio")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        gc.collect()
-    finally:
-        logger.setLevel(level)
+    """Quietly collect async work a failed call left behind (training.checkpoint.collect_orphaned_futures); nothing
+    to do (and nothing heavy imported) when the checkpoint module was never loaded."""
+    ckpt = sys.modules.get("nlac_jax.training.checkpoint")
+    if ckpt is not None:
+        ckpt.collect_orphaned_futures()
 
 
 def run(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None,

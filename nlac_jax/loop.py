@@ -130,10 +130,15 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
                 tokenizer_vocab_size: int = 512):
     """(ModelConfig, tokenizer, HF directory or None). With `model_dir`: its config.json and tokenizer (weights are
     loaded later, straight into their shardings); without: a random model of the given size over the tiny
-    in-process byte-level tokenizer (no downloads)."""
+    in-process byte-level tokenizer (no downloads). A relative `model_dir` that does not exist from the current
+    directory is looked up from the repository root (gin files name shipped models, e.g. the demo's warm start)."""
     from nlac_jax import models, text, tiny
     run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
     if model_dir is not None:
+        repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
+                os.path.isdir(os.path.join(repo_root, model_dir)):
+            model_dir = os.path.join(repo_root, model_dir)
         cfg, tok = models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir)
         models.check_tokenizer(cfg, tok, model_dir)
         return cfg, tok, model_dir

@@ -367,12 +367,12 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
     gin.add_config_file_search_path(repo)
     try:
         gin.clear_config()
-        gin.parse_config_files_and_bindings([os.path.join(repo, "gin/runs/demo_cpu.gin")], tiny)
+        gin.parse_config_files_and_bindings([os.path.join(repo, "gin/runs/tiny_random_cpu.gin")], tiny)
         run = loop.NLACRun(wd)
         run.save(0)
         run.checkpointer.close()
         gin.clear_config()
-        gin.parse_config_files_and_bindings([os.path.join(repo, "gin/runs/demo_cpu.gin")],
+        gin.parse_config_files_and_bindings([os.path.join(repo, "gin/runs/tiny_random_cpu.gin")],
                                             tiny + ["build_model.hidden_size = 32"])
         with pytest.raises(training.CheckpointMismatchError) as e:
             loop.NLACRun(wd)

@@ -13,7 +13,7 @@ import gin
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = "--gin_file=gin/runs/demo_cpu.gin"
+DEMO = "--gin_file=gin/runs/tiny_random_cpu.gin"
 
 
 def _run(module, *args, timeout=180):
@@ -161,7 +161,7 @@ def one_iteration_checkpoint(tmp_path_factory):
     from nlac_jax import loop, sharding, train, training
     wd = tmp_path_factory.mktemp("finished")
     try:
-        train.load_gin(["gin/runs/demo_cpu.gin"], [])
+        train.load_gin(["gin/runs/tiny_random_cpu.gin"], [])
         cfg, _, _ = loop.build_model()
         mesh = sharding.make_mesh()
         opt = training.make_optimizer()

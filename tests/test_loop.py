@@ -45,7 +45,7 @@ REQUIRED_METRICS = [
 
 def _cmd(workdir, iterations, extra=()):
     params = TINY + [f"LoopConfig.iterations = {iterations}", "LoopConfig.export_hf = True", *extra]
-    return [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/demo_cpu.gin", f"--workdir={workdir}"] + \
+    return [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin", f"--workdir={workdir}"] + \
         [f"--gin_param={p}" for p in params]
 
 
@@ -127,7 +127,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 def test_gin_typo_fails_fast_with_clear_message():
     t0 = time.time()
     with pytest.raises(train.GinConfigError) as e:
-        train.load_gin(["gin/runs/demo_cpu.gin"], ["LoopConfig.iteratons = 3"])
+        train.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.iteratons = 3"])
     msg = str(e.value)
     assert "iteratons" in msg and "\n" not in msg
     assert time.time() - t0 < 30
@@ -148,7 +148,7 @@ def test_gin_missing_required_binding_and_malformed_file(tmp_path):
 
 
 def test_cli_gin_typo_exits_nonzero_before_compiling(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/demo_cpu.gin",
+    res = subprocess.run([sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
                           f"--workdir={tmp_path}", "--gin_param=LoopConfig.num_iterations = 3"],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode != 0

@@ -573,7 +573,7 @@ def test_startup_check_refuses_an_impossible_max_len_naming_the_role():
 def test_run_refuses_to_start_when_max_len_is_too_small(tmp_path):
     from nlac_jax import loop, train
 
-    train.load_gin(["gin/runs/demo_cpu.gin"], ["LoopConfig.max_len = 200"])
+    train.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.max_len = 200"])
     with pytest.raises(ValueError, match=r"start-up check: task 'toy'.*initial '(policy|successor|backup|evaluator|refiner)'"):
         loop.NLACRun(str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -61,7 +61,7 @@ def test_target_config_refuses_a_non_dict_a_typo_d_role_and_a_missing_policy_ent
 
 
 # ----------------------------------------------------------------------------- gin start-up checks
-def _gin_error(params, files=("gin/runs/demo_cpu.gin",)):
+def _gin_error(params, files=("gin/runs/tiny_random_cpu.gin",)):
     try:
         with pytest.raises(train.GinConfigError) as e:
             train.load_gin(list(files), params)

@@ -360,7 +360,7 @@ class Checkpointer:
             try:
                 r = self._restore_verified(s, abstract_state)
             except _StepBad as e:
-                _collect_orphaned_futures()
+                collect_orphaned_futures()
                 bad.append((s, str(e)))
                 continue
             if bad:
@@ -450,7 +450,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 (corruption surfaces as many exception types)
             out, err = None, e
         if not _all_ok(out is not None):
-            _collect_orphaned_futures()
+            collect_orphaned_futures()
             return None, err
         return out, None
 
@@ -530,9 +530,10 @@ class Checkpointer:
         self.close()
 
 
-def _collect_orphaned_futures() -> None:
-    """A failed orbax read leaves the other per-array read futures with unretrieved exceptions; collect them now,
-    quietly, instead of letting asyncio print a traceback for each one at exit (the warning above says it all)."""
+def collect_orphaned_futures() -> None:
+    """A failed orbax read leaves the other per-array read futures with unretrieved exceptions (and a half-built
+    run, its checkpoint manager); collect them now, quietly, instead of letting asyncio print a traceback for each
+    at exit (the caller's one-line message says it all). Used here and by the CLIs' error path."""
     logger = logging.getLogger("asyncio")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
