@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import time
 
 import pytest
 
@@ -199,3 +200,108 @@ def test_math500_reference_solutions():
     assert not neg_hit, neg_hit[:10]
     hard = load_math_jsonl(MATH500, hard_only=True)
     assert len(hard) == sum(1 for r in rows if int(r['level']) == 5) > 0
+
+
+# --- hostile answers: the grader must stay fast and bounded ----------------------------------------------------
+
+BOMBS = ['(9^{9999})^{9999}', '(x+1)^{9999}-(x-1)^{9999}', '9^{9^{9^9}}', '(10^{6})!', '2^{10^{100}}',
+         '(x+y+z)^{100}', '\\binom{10^{6}}{500000}', '\\prod_{k=1}^{10^{6}} k', '\\sqrt[10^{99}]{2}',
+         '(' * 200 + '1' + ')' * 200, '{' * 14 + '1' + '}' * 14, '(0,1)\\cup' * 100 + '(0,1)', '1,' * 400 + '1']
+
+
+def test_grader_bombs_return_fast():
+    # Run in a child process: on the old code these ran for minutes (a 95-million-digit integer, a 10,000-term
+    # expansion in simplify, a million-digit factorial in math-verify), which must not hang the test session.
+    import subprocess
+    import sys
+    script = (
+        "import json, sys, time\n"
+        "from nlac_jax.envs.math_env import answers_equal\n"
+        "answers_equal('x^2+2x+1', '(x+1)^2', use_math_verify=False)\n"  # warm-up: start the worker
+        "out = []\n"
+        "for a in json.loads(sys.argv[1]):\n"
+        "    for mv in (False, True):\n"
+        "        t = time.perf_counter(); eq = answers_equal(a, '5', use_math_verify=mv)\n"
+        "        out.append([a[:30], mv, eq, time.perf_counter() - t])\n"
+        "print(json.dumps(out))\n")
+    res = subprocess.run([sys.executable, '-c', script, json.dumps(BOMBS)], capture_output=True, text=True,
+                         timeout=240, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not [r for r in rows if r[2]], 'a bomb graded equal to 5'
+    slow = [r for r in rows if r[3] > 1.0]
+    assert not slow, slow  # the size bounds refuse all of these in-process, well inside the 5 s budget
+
+
+def test_bounded_parser():
+    from nlac_jax.envs.math_env import _parse_scalar
+    assert _parse_scalar('2^{10}') == 1024 and _parse_scalar('(2^{10})^{3}') == 2 ** 30
+    assert str(_parse_scalar('(x+1)^{3}')) == '(x + 1)**3'
+    for bomb in ['(9^{9999})^{9999}', '9^{9^{9^9}}', '(x+1)^{9999}', 'x^{60}x^{60}', '(x+y+z)^{100}',
+                 '\\sqrt[10^{99}]{2}', '(' * 50 + '1' + ')' * 50]:
+        assert _parse_scalar(bomb) is None, bomb
+
+
+def test_grade_timeout_works_off_the_main_thread():
+    # math-verify's own timeout is signal-based and only works on the main thread; ours works from any thread.
+    import threading
+    from nlac_jax.envs.math_env import grade_answer
+    assert answers_equal('x^2+2x+1', '(x+1)^2', use_math_verify=False)  # start a worker outside the timing
+    out = {}
+
+    def work():
+        t = time.perf_counter()
+        out['res'] = grade_answer('\\sum_{k=1}^{9999} k^{k}', '5', timeout_s=0.5)  # math-verify computes it
+        out['secs'] = time.perf_counter() - t
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(30)
+    assert out['res'].equal is False and out['res'].status == 'timeout'
+    assert out['secs'] < 3.0
+    assert answers_equal('\\frac{\\sqrt{2}}{2}', '\\frac{1}{\\sqrt{2}}', timeout_s=5)  # the pool still works
+
+
+def test_stuck_worker_is_killed_and_replaced():
+    import signal
+    from nlac_jax.envs import math_env
+    pool = math_env._GraderPool(max_workers=1)
+    try:
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_env.GradeResult(True, 'ok')
+        (w,) = pool._idle
+        os.kill(w.proc.pid, signal.SIGSTOP)  # stuck inside one long C call: its own timer cannot fire
+        t = time.perf_counter()
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 0.3) == math_env.GradeResult(False, 'timeout')
+        assert time.perf_counter() - t < 3.0 and w.proc.poll() is not None
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_env.GradeResult(True, 'ok')  # replacement
+    finally:
+        pool.shutdown()
+
+
+def test_math_env_logs_one_short_line_per_timeout(caplog):
+    task = MathGeneratorTaskSource(num_train=1, num_test=1, seed=0).tasks('test')[0]
+    env = MathEnv(grade_timeout_s=0.3)
+    env.reset(task)
+    answer = '\\sum_{k=1}^{9999} k^{k}' + ' + 0' * 2000  # a long answer must not be logged in full
+    with caplog.at_level('WARNING', logger='nlac_jax.envs.math_env'):
+        r = env.step(f'\\boxed{{{answer}}}')
+    assert r.done and r.reward == 0.0 and not r.info['success']
+    # over the 1000-character cap: compared as normal forms only, no worker, no log
+    assert r.info['grader'] == 'ok' and not caplog.records
+    env.reset(task)
+    with caplog.at_level('WARNING', logger='nlac_jax.envs.math_env'):
+        r = env.step('\\boxed{\\sum_{k=1}^{9999} k^{k}}')
+    assert r.reward == 0.0 and r.info['grader'] == 'timeout'
+    recs = [x for x in caplog.records if x.name == 'nlac_jax.envs.math_env']
+    assert len(recs) == 1 and len(recs[0].getMessage()) < 250
+    assert 'over its 0.3 s budget' in recs[0].getMessage() and task.id in recs[0].getMessage()
+
+
+def test_extraction_is_linear_on_hostile_text():
+    # each of these took 1.5-6 s before (quadratic regex backtracking / brace scanning)
+    for text in ['\n' * 16000, ' \n' * 8000, '\\boxed{' * 2285, 'answer' + ' ' * 15990 + 'x',
+                 'Answer: x' + ' ' * 15990 + 'y', '####' + '\n' * 15990]:
+        t = time.perf_counter()
+        extract_answer(text)
+        assert time.perf_counter() - t < 0.5, repr(text[:20])
+    assert extract_answer('Answer:\n  42\n') == '42'  # the answer may follow on the next line

@@ -139,3 +139,131 @@ def test_gin_task_files(tmp_path, clean_gin):
         task = src.tasks(src.train_split)[0]
         assert env.reset(task)[0]['role'] == 'system'
     gin.clear_config()
+
+
+# --- env exceptions: one failing env ends one episode, the run goes on, a systematic bug still stops it -------
+
+class _FlakyEnv(GuessNumberEnv):
+    """Guess-the-number, but 'boom' raises in step and a task with payload 'bad_reset' raises in reset."""
+
+    def reset(self, task):
+        if task.payload.get('bad_reset'):
+            raise KeyError('bad_reset')
+        return super().reset(task)
+
+    def step(self, action_text):
+        if action_text == 'boom':
+            raise RecursionError('maximum recursion depth exceeded ' + 'x' * 5000)
+        return super().step(action_text)
+
+
+def _toy_tasks(targets, n=16):
+    return [Task(f't{x}', 'test', {'target': x, 'n': n}) for x in targets]
+
+
+def test_runner_turns_env_exceptions_into_error_episodes(caplog):
+    from nlac_jax.envs.base import EnvErrorMonitor
+    n = 16
+    tasks = _toy_tasks([8, 1, 16, 5])
+    tasks.insert(2, Task('broken', 'test', {'target': 3, 'n': n, 'bad_reset': True}))
+    turn = {'k': 0}
+
+    def policy_fn(histories):
+        turn['k'] += 1
+        # episode of task t1 (second slot) hits the failing action on its 2nd turn
+        return ['boom' if turn['k'] == 2 and i == 1 else binary_search_policy(h, n) for i, h in enumerate(histories)]
+
+    monitor = EnvErrorMonitor(max_consecutive=5)
+    with caplog.at_level('WARNING', logger='nlac_jax.envs.base'):
+        eps = BatchedRunner([_FlakyEnv(n=n, max_turns=6) for _ in range(3)], policy_fn,
+                            error_monitor=monitor).run(tasks)
+    assert [e.task.id for e in eps] == [t.id for t in tasks]
+    ok = [eps[i] for i in (0, 3, 4)]
+    assert all(e.success and not e.env_exceptions for e in ok)
+    failed = eps[1]  # t1: step raised
+    assert failed.env_exceptions == 1 and failed.truncated and not failed.success and failed.length == 2
+    last = failed.transitions[-1]
+    assert last.info['env_error'] and last.info['truncated'] and last.done is False
+    assert last.info['env_exception'].startswith('RecursionError: maximum recursion')
+    assert len(last.info['env_exception']) < 300  # the 5000-character message is cut
+    assert last.next_state_messages[-1]['content'].startswith('Error: the environment failed on this action')
+    broken = eps[2]  # reset raised: an empty episode, and the env took the next task
+    assert broken.env_exceptions == 1 and broken.length == 0 and broken.info['env_error']
+    assert broken.info['env_error_where'] == '_FlakyEnv.reset'
+    assert monitor.total == 2 and monitor.consecutive == 0  # later episodes ended normally
+    assert envs.episode_metrics(eps)['env_exceptions'] == 2.0
+    recs = [r for r in caplog.records if r.name == 'nlac_jax.envs.base']
+    assert len(recs) == 2  # once per failed episode
+    # the first one (the reset of 'broken', at start-up) with its traceback in full, later ones in one line
+    assert recs[0].exc_info is not None and 'task broken' in recs[0].getMessage()
+    assert recs[1].exc_info is None and 'task t1' in recs[1].getMessage()
+    assert '_FlakyEnv.step on task t1' in recs[1].getMessage()
+    assert all(len(r.getMessage()) < 400 for r in recs)
+
+
+def test_runner_raises_after_consecutive_env_exceptions():
+    from nlac_jax.envs.base import EnvErrorLimitExceeded, EnvErrorMonitor
+    monitor = EnvErrorMonitor(max_consecutive=3)
+    runner = BatchedRunner([_FlakyEnv(n=16)], lambda hs: ['boom'] * len(hs), error_monitor=monitor)
+    runner.run(_toy_tasks([1, 2]))  # two failures: still below the limit
+    assert monitor.consecutive == 2
+    with pytest.raises(EnvErrorLimitExceeded, match=r'3 episodes in a row .* bug in the environment'):
+        runner.run(_toy_tasks([3, 4]))
+    # a normal episode resets the streak
+    monitor = EnvErrorMonitor(max_consecutive=2)
+    actions = iter(['boom', '8', 'boom', '8', 'boom'])
+    BatchedRunner([_FlakyEnv(n=16)], lambda hs: [next(actions)], error_monitor=monitor).run(
+        _toy_tasks([7, 8, 7]))
+    assert monitor.total == 2 and monitor.consecutive == 1
+
+
+def test_runner_guards_two_phase_envs_and_keeps_model_errors_visible():
+    from nlac_jax.envs.base import EnvBase, EnvErrorMonitor, ModelRequest, StepResult
+
+    class TwoPhase(EnvBase):
+        max_turns = 3
+
+        def reset(self, task):
+            self.task = task
+            return [{'role': 'user', 'content': 'go'}]
+
+        def step_begin(self, action):
+            if action == 'begin-fail':
+                raise ValueError('step_begin failed')
+            return ModelRequest(model_fn, action)
+
+        def step_end(self, reply):
+            if reply == 'END-FAIL':
+                raise TypeError('step_end failed')
+            if reply == 'BAD-RESULT':
+                return 'not a StepResult'
+            return StepResult('ok', 1.0, True, {})
+
+    calls = []
+
+    def model_fn(inputs):
+        calls.append(list(inputs))
+        return [x.upper() for x in inputs]
+
+    actions = {'a': 'fine', 'b': 'begin-fail', 'c': 'end-fail', 'd': 'bad-result'}
+    monitor = EnvErrorMonitor()
+    eps = BatchedRunner([TwoPhase() for _ in range(4)], lambda hs: [actions[t] for t in 'abcd'][:len(hs)],
+                        error_monitor=monitor).run([Task(t, 's') for t in 'abcd'])
+    assert calls == [['fine', 'end-fail', 'bad-result']]  # the failed step_begin sends no request
+    assert eps[0].success is False and eps[0].total_return == 1.0 and not eps[0].env_exceptions
+    assert [e.info.get('env_error_where') for e in eps[1:]] == ['TwoPhase.step_begin', 'TwoPhase.step_end',
+                                                                'TwoPhase.step_end']
+    assert 'not a StepResult' in eps[3].info['env_exception'] or 'StepResult' in eps[3].info['env_exception']
+    assert monitor.total == 3
+
+    def broken_model(inputs):
+        raise RuntimeError('sampler bug')
+
+    model_fn_ref = broken_model
+
+    class UsesBroken(TwoPhase):
+        def step_begin(self, action):
+            return ModelRequest(model_fn_ref, action)
+
+    with pytest.raises(RuntimeError, match='sampler bug'):  # our model code, not the env: it propagates
+        BatchedRunner([UsesBroken()], lambda hs: ['x'], error_monitor=EnvErrorMonitor()).run([Task('a', 's')])

@@ -175,6 +175,43 @@ def test_parse_action():
     assert parse_action('<tool_call>{"name": "f"}')[0] == 'error'
 
 
+def test_parse_action_bounds_json_depth_and_size():
+    # 2,000 nested brackets made json.loads raise RecursionError, which escaped env.step and killed the run
+    for body in ['[' * 2000 + ']' * 2000, '{"name": "f", "arguments": ' + '{"a": ' * 2000 + '1' + '}' * 2001,
+                 '{"name": ' + '[' * 5000]:
+        texts = [f'<tool_call>{body}</tool_call>'] + ([body, f'```json\n{body}\n```'] if body[0] == '{' else [])
+        for text in texts:  # (a bare or fenced text that is not an object is a message to the user)
+            kind, msg = parse_action(text)
+            assert kind == 'error' and 'nests more than 32 levels' in msg, (text[:40], msg)
+    deep_args = json.dumps({'name': 'f', 'arguments': '[' * 3000})  # arguments as a JSON string, nested deep
+    assert parse_action(deep_args) == ('error', 'Error: "arguments" must be a JSON object.')
+    assert parse_action('{"name": "f", "arguments": {"s": "' + '[' * 3000 + '"}}') == \
+        ('tool', 'f', {'s': '[' * 3000})  # brackets inside strings do not count
+    ok = '{"name": "f", "arguments": ' + '{"a": ' * 30 + '1' + '}' * 31
+    assert parse_action(ok)[0] == 'tool'
+    kind, msg = parse_action('{"name": "f", "arguments": {"s": "' + 'x' * 30000 + '"}}')
+    assert kind == 'error' and 'the limit is 20000' in msg
+
+
+def test_deeply_nested_tool_call_is_an_error_observation(retail):
+    task = retail['retail-0']
+    deep = '<tool_call>' + '[' * 2000 + ']' * 2000 + '</tool_call>'
+    env = TauBenchEnv(ScriptedUser(replies=['ok'] * 5))
+    env.reset(task)
+    r = env.step(deep)
+    assert r.info['error'] and not r.done and r.observation.startswith('Error: the tool call JSON nests')
+    r = env.step(format_tool_call('x' * 5000, {}))
+    assert r.info['error'] and len(r.observation) < 1000  # the unknown name is not echoed in full
+    # through the batched runner: the episode goes on after the bad call, no env exception
+    from nlac_jax.envs.base import EnvErrorMonitor
+    monitor = EnvErrorMonitor()
+    script = iter([deep, 'Anything else?', 'Bye'])
+    eps = BatchedRunner([TauBenchEnv(ScriptedUser(replies=['ok']))], lambda hs: [next(script)],
+                        error_monitor=monitor).run([task])
+    assert monitor.total == 0 and eps[0].env_exceptions == 0 and eps[0].length == 3
+    assert eps[0].transitions[0].info['error'] and eps[0].info['termination'] == 'user_stop'
+
+
 @pytest.fixture
 def clean_gin():
     """Gin config is global: start and end every gin test from a clean slate, even when it fails."""

@@ -136,3 +136,14 @@ def test_task_source_splits_and_cursor():
     assert len(train) == 16 and not {t.id for t in train} & {t.id for t in test}
     with pytest.raises(ValueError, match="unknown split 'dev'"):
         src.tasks('dev')
+
+
+def test_huge_guesses_are_clamped_not_crashing():
+    # int() of more than 4300 digits raises ValueError; with a raised action limit that escaped env.step
+    assert parse_guess('9' * 5000) == 10 ** 18 and parse_guess('-' + '9' * 5000) == -10 ** 18
+    assert parse_guess('0' * 5000 + '7') == 7 and parse_guess('guess 42') == 42
+    env = GuessNumberEnv(n=100, max_action_chars=100_000)
+    env.reset(Task('t', 'test', {'target': 50, 'n': 100}))
+    r = env.step('9' * 50_000)
+    assert r.observation == 'lower' and not r.info['error']
+    assert env.step('-' + '9' * 50_000).observation == 'higher'

@@ -227,3 +227,17 @@ def test_splits_stable(table):
     assert len(train) + len(test) == len(table.objects)
     assert 0.1 < len(test) / len(table.objects) < 0.3
     assert [t.id for t in test] == [t.id for t in TwentyQuestionsTaskSource().tasks('test')]
+
+
+def test_scripted_oracle_is_fast_on_long_questions(oracle, table):
+    # answering re-normalised the question once per object (~230 times): seconds for one long hostile question
+    import time
+    env = TwentyQuestionsEnv(oracle, max_action_chars=1_000_000)
+    env.reset(Task('t', 'test', table.find('cat').to_payload()))
+    question = 'Is it a ' + 'very ' * 40_000 + 'big cat?'
+    t = time.perf_counter()
+    r = env.step(question)
+    assert time.perf_counter() - t < 0.5
+    assert r.observation == CANT and not r.done
+    assert oracle.answer(table.find('cat'), 'Is it a dog?') == NO  # naming another object still says No
+    assert oracle.answer(table.find('cat'), 'Is it a kitten?') == YES

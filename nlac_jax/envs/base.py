@@ -7,7 +7,9 @@ Conventions
 * An *action* is the raw text the policy produced for one turn.
 * ``Env.step`` never raises on bad agent output: empty, over-long or unparsable actions come back as an error
   observation with ``info['error'] = True`` (and usually still consume a turn), so a weak policy cannot crash a
-  rollout and the critic sees the consequence of its mistakes.
+  rollout and the critic sees the consequence of its mistakes. Should an env raise anyway (a bug, or output we
+  did not foresee), ``BatchedRunner`` ends only that episode, records it as an env error and carries on; see
+  ``EnvErrorMonitor`` for how such errors are logged, counted and, when systematic, turned into a hard stop.
 * Envs that need a model to finish a step (20 Questions' model oracle, τ-bench's model user) split ``step`` into
   ``step_begin(action) -> ModelRequest | None`` and ``step_end(reply) -> StepResult``; ``BatchedRunner`` answers the
   requests of all active episodes with one call per model function, so those calls are batched like the policy's.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import random
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -26,6 +29,8 @@ Message = dict  # {'role': 'system' | 'user' | 'assistant', 'content': str}
 Observation = list  # list[Message]: the initial chat messages returned by Env.reset
 
 DEFAULT_MAX_ACTION_CHARS = 4000
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Episode:
     num_errors: int
     truncated: bool = False
     info: dict = dataclasses.field(default_factory=dict)
+    env_exceptions: int = 0  # 1 when an exception from env code ended the episode (see BatchedRunner)
 
 
 @runtime_checkable
@@ -248,6 +254,76 @@ class ListTaskSource(TaskSource):
 PolicyFn = Callable[[list], list]  # list of message histories -> list of action texts
 
 
+class EnvErrorLimitExceeded(RuntimeError):
+    """Too many episodes in a row ended with an exception from environment code: most likely a bug, not bad output."""
+
+
+class EnvErrorMonitor:
+    """Counts exceptions raised by environment code (reset / step / step_begin / step_end) across runs.
+
+    One exception ends its episode (``BatchedRunner``); the monitor logs one short line per such episode, the
+    first traceback in full, and raises ``EnvErrorLimitExceeded`` once ``max_consecutive`` episodes in a row have
+    ended that way (an episode that ends normally resets the streak). Sporadic failures on hostile model output
+    thus cost one episode each, while a bug that fails every episode still stops the run with a clear message.
+    A process-wide monitor (``default_env_error_monitor``) is shared by runners that are not given one, because
+    callers such as ``rl.rollout.collect`` build a fresh runner per call and the streak must survive that.
+    """
+
+    def __init__(self, max_consecutive: int = 20):
+        if max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
+        self.max_consecutive = int(max_consecutive)
+        self.total = 0
+        self.consecutive = 0
+        self.traceback_logged = False
+
+    def record_ok(self) -> None:
+        """An episode ended without an env exception."""
+        self.consecutive = 0
+
+    def record_error(self, where: str, task_id: str, exc: BaseException) -> None:
+        """Log an env exception once (first one with its traceback) and raise past the consecutive limit."""
+        self.total += 1
+        self.consecutive += 1
+        short = _short_exc(exc)
+        if not self.traceback_logged:
+            self.traceback_logged = True
+            log.error("env exception in %s on task %s (episode ended as an env error): %s", where, task_id, short,
+                      exc_info=(type(exc), exc, exc.__traceback__))
+        else:
+            log.warning("env exception in %s on task %s (episode ended as an env error): %s", where, task_id, short)
+        if self.consecutive >= self.max_consecutive:
+            raise EnvErrorLimitExceeded(
+                f"{self.consecutive} episodes in a row ended with an exception from environment code (last: {where} "
+                f"on task {task_id}: {short}). That is a bug in the environment, not bad model output; the first "
+                f"traceback was logged above. (Limit: EnvErrorMonitor.max_consecutive={self.max_consecutive}.)"
+            ) from exc
+
+
+_DEFAULT_MONITOR = EnvErrorMonitor()
+
+
+def default_env_error_monitor() -> EnvErrorMonitor:
+    """The process-wide monitor used by BatchedRunners built without one."""
+    return _DEFAULT_MONITOR
+
+
+def _short_exc(exc: BaseException, limit: int = 200) -> str:
+    """'TypeName: message' cut to ``limit`` characters (messages can quote megabytes of model output)."""
+    try:
+        msg = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 - str() itself can fail (e.g. an int too long to print)
+        msg = f"{type(exc).__name__}: <message unavailable>"
+    return msg if len(msg) <= limit else msg[:limit] + f"... [{len(msg)} chars]"
+
+
+class _EnvFailure:
+    """Marker result for an env call that raised (kept apart from StepResult so it cannot be mistaken for one)."""
+
+    def __init__(self, where: str, exc: BaseException):
+        self.where, self.exc = where, exc
+
+
 class BatchedRunner:
     """Plays many episodes at once with ONE batched ``policy_fn`` call per turn.
 
@@ -256,31 +332,51 @@ class BatchedRunner:
     different lengths finish at different times. ``max_turns`` (optional) caps every episode below the env's own
     limit; an episode cut by this cap is marked ``truncated`` and its last transition has ``done=False`` (it is
     not a true terminal state, so a TD critic should bootstrap from it).
+
+    Env exceptions: an exception raised by one env's ``reset`` / ``step`` / ``step_begin`` / ``step_end`` ends
+    THAT episode only. A failed step becomes an error observation ("Error: the environment failed ...") on a
+    transition marked ``info['env_error']`` and ``truncated`` (done=False: the env did not reach a terminal
+    state, so a TD critic bootstraps); a failed reset gives an empty episode. Such episodes carry
+    ``env_exceptions=1`` and ``info['env_exception']`` ('TypeName: message'); ``error_monitor`` (default: the
+    process-wide one) logs them and raises ``EnvErrorLimitExceeded`` after too many in a row. Exceptions from
+    ``policy_fn`` or from model functions answering env requests are ours, not the env's, and propagate.
     """
 
-    def __init__(self, envs: Sequence[Env], policy_fn: PolicyFn, max_turns: Optional[int] = None):
+    def __init__(self, envs: Sequence[Env], policy_fn: PolicyFn, max_turns: Optional[int] = None,
+                 error_monitor: Optional[EnvErrorMonitor] = None):
         if not envs:
             raise ValueError("BatchedRunner needs at least one env")
         self.envs = list(envs)
         self.policy_fn = policy_fn
         self.max_turns = max_turns
+        self.error_monitor = error_monitor if error_monitor is not None else default_env_error_monitor()
 
     def run(self, tasks: Sequence[Task]) -> list:
         """Play every task once; returns Episodes in the order of ``tasks``."""
         pending = list(enumerate(tasks))[::-1]  # pop() from the end = FIFO
         results: list = [None] * len(tasks)
         slots: list = [None] * len(self.envs)  # per env: dict with the running episode's bookkeeping
+        monitor = self.error_monitor
 
         def start(i_env: int) -> None:
-            if not pending:
-                slots[i_env] = None
-                return
-            idx, task = pending.pop()
             env = self.envs[i_env]
-            messages = [dict(m) for m in env.reset(task)]
-            limit = env.max_turns if self.max_turns is None else min(env.max_turns, self.max_turns)
-            slots[i_env] = dict(idx=idx, task=task, messages=messages, transitions=[], ret=0.0, errors=0,
-                                turns=0, limit=limit, info={})
+            while pending:
+                idx, task = pending.pop()
+                try:
+                    messages = [dict(m) for m in env.reset(task)]
+                    limit = env.max_turns if self.max_turns is None else min(env.max_turns, self.max_turns)
+                except Exception as e:  # noqa: BLE001 - any env failure ends only this episode
+                    short = _short_exc(e)
+                    results[idx] = Episode(task=task, messages=[], transitions=[], total_return=0.0, success=False,
+                                           length=0, num_errors=1, truncated=True, env_exceptions=1,
+                                           info={'error': True, 'env_error': True, 'env_exception': short,
+                                                 'env_error_where': f'{type(env).__name__}.reset'})
+                    monitor.record_error(f'{type(env).__name__}.reset', task.id, e)
+                    continue
+                slots[i_env] = dict(idx=idx, task=task, messages=messages, transitions=[], ret=0.0, errors=0,
+                                    turns=0, limit=limit, info={})
+                return
+            slots[i_env] = None
 
         for i in range(len(self.envs)):
             start(i)
@@ -293,6 +389,12 @@ class BatchedRunner:
             actions = [a if isinstance(a, str) else str(a) for a in actions]
             for i, action, res in zip(active, actions, self._step_all([self.envs[i] for i in active], actions)):
                 s = slots[i]
+                failure = res if isinstance(res, _EnvFailure) else None
+                if failure is not None:
+                    res = StepResult(f"Error: the environment failed on this action "
+                                     f"({_short_exc(failure.exc, 120)}); the episode has ended.", 0.0, False,
+                                     {'error': True, 'success': False, 'env_error': True,
+                                      'env_exception': _short_exc(failure.exc), 'env_error_where': failure.where})
                 state = copy.deepcopy(s['messages'])
                 s['messages'].append({'role': 'assistant', 'content': action})
                 if res.observation:
@@ -300,7 +402,7 @@ class BatchedRunner:
                 s['turns'] += 1
                 s['ret'] += float(res.reward)
                 s['errors'] += int(bool(res.info.get('error', False)))
-                truncated = (not res.done) and s['turns'] >= s['limit']
+                truncated = failure is not None or ((not res.done) and s['turns'] >= s['limit'])
                 info = dict(res.info)
                 if truncated:
                     info['truncated'] = True
@@ -310,17 +412,66 @@ class BatchedRunner:
                     results[s['idx']] = Episode(
                         task=s['task'], messages=s['messages'], transitions=s['transitions'],
                         total_return=s['ret'], success=bool(info.get('success', False)), length=s['turns'],
-                        num_errors=s['errors'], truncated=truncated, info=info)
+                        num_errors=s['errors'], truncated=truncated, info=info,
+                        env_exceptions=int(failure is not None))
+                    if failure is not None:
+                        monitor.record_error(failure.where, s['task'].id, failure.exc)
+                    else:
+                        monitor.record_ok()
                     start(i)
         return results
 
     @staticmethod
     def _step_all(envs: Sequence[Env], actions: Sequence[str]) -> list:
-        """Step every env; model requests of two-phase envs are answered in batches (see EnvBase.step_begin)."""
-        two_phase = [hasattr(e, 'step_begin') and hasattr(e, 'step_end') for e in envs]
-        requests = [e.step_begin(a) if tp else None for e, a, tp in zip(envs, actions, two_phase)]
-        replies = _answer_requests(requests)
-        return [e.step_end(r) if tp else e.step(a) for e, a, r, tp in zip(envs, actions, replies, two_phase)]
+        """Step every env; model requests of two-phase envs are answered in batches (see EnvBase.step_begin).
+
+        Returns one StepResult per env, or an ``_EnvFailure`` where that env's code raised.
+        """
+        two_phase = [_is_two_phase(e) for e in envs]
+        requests: list = []
+        for e, a, tp in zip(envs, actions, two_phase):
+            requests.append(_guarded(e, 'step_begin', a) if tp else None)
+        live = [None if isinstance(r, _EnvFailure) else r for r in requests]
+        replies = _answer_requests(live)
+        out = []
+        for e, a, r, req, tp in zip(envs, actions, replies, requests, two_phase):
+            if isinstance(req, _EnvFailure):
+                out.append(req)
+            else:
+                out.append(_guarded(e, 'step_end', r) if tp else _guarded(e, 'step', a))
+        return out
+
+
+def _is_two_phase(env) -> bool:
+    """Whether ``env`` really splits its steps (EnvBase's default step_begin only wraps step)."""
+    if not (hasattr(env, 'step_begin') and hasattr(env, 'step_end')):
+        return False
+    return not (isinstance(env, EnvBase) and type(env).step_begin is EnvBase.step_begin)
+
+
+def _guarded(env, method: str, arg):
+    """``env.<method>(arg)``, with any exception (or a malformed result) returned as an ``_EnvFailure``."""
+    where = f'{type(env).__name__}.{method}'
+    try:
+        out = getattr(env, method)(arg)
+        if method != 'step_begin':
+            _check_step_result(out)
+        elif out is not None and not isinstance(out, ModelRequest):
+            raise TypeError(f"step_begin returned {type(out).__name__}, not a ModelRequest or None")
+        return out
+    except Exception as e:  # noqa: BLE001 - any env failure ends only this episode
+        return _EnvFailure(where, e)
+
+
+def _check_step_result(res) -> None:
+    """Raise TypeError unless ``res`` is a usable StepResult (a broken env must not corrupt the episode data)."""
+    if not isinstance(res, StepResult):
+        raise TypeError(f"expected a StepResult, got {type(res).__name__}")
+    if not isinstance(res.observation, str) or not isinstance(res.info, dict):
+        raise TypeError("StepResult.observation must be a str and StepResult.info a dict")
+    reward = float(res.reward)
+    if reward != reward or reward in (float('inf'), float('-inf')):
+        raise ValueError(f"StepResult.reward is not finite: {res.reward!r}")
 
 
 def _answer_requests(requests: Sequence[Optional[ModelRequest]]) -> list:
@@ -365,7 +516,7 @@ def pass_hat_k_from_episodes(episodes: Sequence[Episode], k: int) -> float:
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict:
-    """Mean return / success / length / errors over episodes (plain floats)."""
+    """Mean return / success / length / errors over episodes, and the count of env exceptions (plain floats)."""
     n = max(len(episodes), 1)
     return {
         'num_episodes': len(episodes),
@@ -374,4 +525,5 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict:
         'mean_length': sum(e.length for e in episodes) / n,
         'errors_per_episode': sum(e.num_errors for e in episodes) / n,
         'truncated_rate': sum(e.truncated for e in episodes) / n,
+        'env_exceptions': float(sum(getattr(e, 'env_exceptions', 0) for e in episodes)),
     }

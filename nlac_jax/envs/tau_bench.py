@@ -10,7 +10,8 @@ Agent action format (documented in the system prompt):
 * anything else is a message to the user; a message containing ``###STOP###`` ends the episode (tau2's agent stop).
 The tool result comes back as the next observation, wrapped in ``<tool_response>...</tool_response>``.
 
-Errors: unparsable tool calls, unknown tools and arguments that do not fit the tool's signature come back as
+Errors: unparsable tool calls (including JSON nested deeper than 32 levels or longer than 20,000 characters, which
+are rejected before decoding), unknown tools and arguments that do not fit the tool's signature come back as
 ``Error: ...`` observations with ``info['error'] = True`` (the DB is untouched); exceptions raised by the tool itself
 (e.g. "order not found") come back as tau2 formats them ("Error: ...") with ``info['tool_error'] = True``.
 
@@ -233,8 +234,61 @@ class ModelUser(UserSimulator):
 
 # ------------------------------------------------------------------------------------------ action parsing ---
 
+MAX_TOOL_CALL_CHARS = 20000  # JSON payload size cap (the env's own max_action_chars is usually lower)
+MAX_JSON_DEPTH = 32  # no tool schema nests deeper than ~4; json.loads recurses per level (RecursionError ~1000)
+
+
+def json_nesting_error(payload: str, max_depth: int = MAX_JSON_DEPTH,
+                       max_chars: int = MAX_TOOL_CALL_CHARS) -> Optional[str]:
+    """An error message when ``payload`` is too long or its brackets nest deeper than ``max_depth``, else None.
+
+    One linear scan that skips JSON string literals, so it is safe on any input and runs BEFORE json.loads
+    (whose recursive decoder raises RecursionError on a few thousand nested brackets).
+    """
+    if len(payload) > max_chars:
+        return (f'Error: the tool call is {len(payload)} characters long; the limit is {max_chars}. '
+                f'Make one small tool call.')
+    depth, in_str, esc = 0, False, False
+    for c in payload:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == '\\':
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in '[{':
+            depth += 1
+            if depth > max_depth:
+                return (f'Error: the tool call JSON nests more than {max_depth} levels deep. '
+                        f'Make one flat tool call: {{"name": ..., "arguments": {{...}}}}.')
+        elif c in ']}':
+            depth -= 1
+    return None
+
+
+def _load_json(payload: str):
+    """json.loads behind the size/depth guard: (object, None) or (None, error message)."""
+    err = json_nesting_error(payload)
+    if err is not None:
+        return None, err
+    try:
+        return json.loads(payload), None
+    except json.JSONDecodeError as e:
+        return None, f'Error: the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}).'
+    except (RecursionError, ValueError) as e:  # belt and braces: the guard should make these unreachable
+        return None, f'Error: the tool call could not be parsed ({type(e).__name__}).'
+
+
 def parse_action(text: str):
-    """Classify an agent action: ('message', text) | ('tool', name, arguments) | ('error', message)."""
+    """Classify an agent action: ('message', text) | ('tool', name, arguments) | ('error', message).
+
+    Never raises on any string: over-long or over-deep JSON is rejected before decoding (``json_nesting_error``).
+    """
+    if not isinstance(text, str):
+        return ('error', f'Error: the action must be text, got {type(text).__name__}.')
     s = text.strip()
     if '<tool_call>' in s or '</tool_call>' in s:
         blocks = _TOOL_TAG_RE.findall(s)
@@ -247,18 +301,19 @@ def parse_action(text: str):
         payload = m.group(1) if m else s
         if not payload.startswith('{'):
             return ('message', text)
-    try:
-        obj = json.loads(payload)
-    except json.JSONDecodeError as e:
-        return ('error', f'Error: the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}).')
+    obj, err = _load_json(payload)
+    if err is not None:
+        return ('error', err)
     if not isinstance(obj, dict) or not isinstance(obj.get('name'), str):
         return ('error', 'Error: a tool call must be a JSON object with a string "name" and an object "arguments".')
     args = obj.get('arguments', {})
     if isinstance(args, str):  # some models emit arguments as a JSON string (OpenAI wire format)
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            return ('error', 'Error: "arguments" must be a JSON object.')
+        if not args.strip():
+            args = {}
+        else:
+            args, err = _load_json(args)
+            if err is not None:
+                return ('error', 'Error: "arguments" must be a JSON object.')
     if not isinstance(args, dict):
         return ('error', 'Error: "arguments" must be a JSON object.')
     return ('tool', obj['name'], args)
@@ -397,8 +452,9 @@ class TauBenchEnv(EnvBase):
 
     def _tool_call(self, name: str, args: dict):
         if name not in self.tools:
-            return (f"Error: unknown tool {name!r}. Available tools: {', '.join(sorted(self.tools))}.",
-                    {'error': True, 'tool': name})
+            shown = name if len(name) <= 80 else name[:80] + '...'  # do not echo a huge name into the context
+            return (f"Error: unknown tool {shown!r}. Available tools: {', '.join(sorted(self.tools))}.",
+                    {'error': True, 'tool': shown})
         try:
             inspect.signature(self.env.tools.tools[name]).bind(**args)
         except TypeError as e:

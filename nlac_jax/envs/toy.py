@@ -38,10 +38,23 @@ def binary_search_turns(n: int) -> int:
     return max(1, math.ceil(math.log2(n + 1)))
 
 
+_MAX_GUESS_DIGITS = 18
+
+
 def parse_guess(text: str) -> Optional[int]:
-    """The first integer in ``text`` or None."""
+    """The first integer in ``text`` or None; integers past 18 digits are clamped to +-10**18.
+
+    Clamping keeps "higher" / "lower" exact for any target while never converting a huge digit string (int() of
+    more than 4300 digits raises ValueError, and would be slow anyway).
+    """
     m = _INT_RE.search(text or '')
-    return int(m.group()) if m else None
+    if not m:
+        return None
+    negative = m.group().startswith('-')
+    digits = m.group().lstrip('-').lstrip('0') or '0'  # leading zeros count towards int()'s limit too
+    if len(digits) > _MAX_GUESS_DIGITS:
+        return -10 ** _MAX_GUESS_DIGITS if negative else 10 ** _MAX_GUESS_DIGITS
+    return -int(digits) if negative else int(digits)
 
 
 def _covered(g: int, lo: int, hi: int, r: int) -> int:
