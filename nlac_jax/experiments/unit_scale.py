@@ -145,7 +145,9 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None) -
 
 
 def _curves(ax, results: dict, key: str, title: str) -> None:
+    from nlac_jax.experiments.arms import ARMS
     for arm, per_seed in results.items():
+        color = f"C{ARMS.index(arm) % 10}"  # one colour per arm in every panel and figure
         series = {}
         for rows in per_seed.values():
             for r in rows:
@@ -157,8 +159,11 @@ def _curves(ax, results: dict, key: str, title: str) -> None:
         xs = sorted(series)
         mu = np.array([np.mean(series[x]) for x in xs])
         sd = np.array([np.std(series[x]) for x in xs])
-        (line,) = ax.plot(xs, mu, marker="o", label=arm)
-        ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=line.get_color())
+        if len(xs) == 1 and xs[0] == 0:  # an arm that does not train (warm_start): a reference level
+            ax.axhline(mu[0], color=color, linestyle="--", label=f"{arm} (iteration 0)")
+            continue
+        ax.plot(xs, mu, marker="o", label=arm, color=color)
+        ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=color)
     ax.set_title(title)
     ax.set_xlabel("iteration")
     if ax.lines:
