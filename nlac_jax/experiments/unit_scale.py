@@ -228,7 +228,8 @@ def run_experiment(workdir: str) -> dict:
             done = os.path.join(out_dir, DONE)
             if os.path.isfile(done):
                 results[arm][seed] = _read_rows(os.path.join(out_dir, "metrics.jsonl"))
-                seconds[arm][seed] = json.load(open(done))["seconds"]
+                with open(done) as f:
+                    seconds[arm][seed] = json.load(f)["seconds"]
                 continue
             os.makedirs(out_dir, exist_ok=True)
             if initial is None:  # the warm start's evaluation: the same for every arm of this seed
