@@ -101,3 +101,19 @@ def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     progress = open(os.path.join(workdir, "progress.log")).read()
     assert "warm start: reusing" in progress
     assert progress.count("nlac seed 0:") == 1  # not run again
+
+
+def test_warm_start_batches_are_padded_to_their_bucket():
+    from nlac_jax.experiments.warm_start import bucketed_batches, padded_length
+    assert [padded_length(n, 1024, 32) for n in (1, 32, 33, 150, 1000)] == [32, 32, 64, 160, 1024]
+    assert [padded_length(n, 1024) for n in (1, 150, 600)] == [16, 256, 1024]  # default: powers of two
+    with pytest.raises(ValueError, match="exceeds"):
+        padded_length(2000, 1024, 32)
+    lengths = [10, 40, 40, 70, 33, 64, 65]
+    it = bucketed_batches(lengths, 2, np.random.default_rng(0), 1024, 32)
+    seen = set()
+    for _ in range(40):
+        width, idx = next(it)
+        assert len(idx) == 2 and all(padded_length(lengths[i], 1024, 32) == width for i in idx)
+        seen.update(idx)
+    assert seen == set(range(len(lengths)))  # every example is drawn

@@ -176,6 +176,34 @@ def test_policy_hint_from_override():
     assert out2[0] == {"role": "system", "content": "Think before you ask."} and out2[1:] == STATE[1:]
 
 
+def test_sectioned_policy_template_replaces_the_state_messages():
+    ps = P.PromptSet(overrides={"policy": "=== system ===\nBe brief.\n=== user ===\nLast: {{ state_messages[-1].content }}"})
+    assert ps.policy(STATE) == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": f"Last: {STATE[-1]['content']}"}]
+    with pytest.raises(ValueError, match="plain text"):  # terminal_summary stays plain text
+        P.PromptSet(overrides={"terminal_summary": "=== user ===\nx"})
+
+
+def test_toy_compact_state_matches_the_games_consistent_interval():
+    """Every toy_compact role (the policy included) renders the interval the corpus's own bookkeeping computes."""
+    from nlac_jax.envs import GuessNumberEnv
+    from nlac_jax.envs.base import Task
+    from nlac_jax.experiments.corpus import consistent_interval
+    env = GuessNumberEnv(n=32)
+    state = env.reset(Task(id="t5", split="test", payload={"target": 5}))
+    for guess in ("17", "3", "9", "4"):
+        state = state + [{"role": "assistant", "content": guess}, {"role": "user", "content": env.step(guess).observation}]
+    ps = P.PromptSet(task="toy", prompt_set="toy_compact")
+    lo, hi, used, _ = consistent_interval(state, 32)
+    assert (lo, hi, used) == (5, 8, 4)
+    line = f"Possible now: 5 to 8, {env.max_turns - 4} guesses left."
+    for messages in (ps.policy(state), ps.successor(state, "6"), ps.evaluator(state, "6", ["f"]),
+                     ps.refiner(state, "6", "c", []), ps.backup(state, "6", 0.0, "higher", "7", "f", None)):
+        assert len(messages) == 1 and line in messages[0]["content"], messages
+        assert "History: 17 lower, 3 higher, 9 lower, 4 higher." in messages[0]["content"]
+    assert ps.policy(state)[0]["content"].startswith("GUESS.")
+
+
 def test_target_config_is_gin_configurable():
     gin.parse_config("nlac.TargetConfig.k_futures = 3\nnlac.TargetConfig.use_buffer_action = True")
     cfg = TargetConfig()

@@ -22,7 +22,8 @@ class UnitScaleConfig:
 
     corpus_*: the toy corpus (`corpus.toy_corpus`: train tasks only); n is the game's N.
     warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
-      WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns.
+      WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
+      are padded to a multiple of it (None: powers of two).
     """
 
     arms: tuple = ARMS
@@ -39,6 +40,7 @@ class UnitScaleConfig:
     warm_learning_rate: float = 3e-3
     warm_max_len: int = 1024
     warm_seed: int = 0
+    warm_bucket_multiple: int | None = 32
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]

@@ -54,7 +54,8 @@ def build_warm_start(workdir: str, xcfg) -> str:
     history: list = []
     state = warm_start.train_warm_start(model_cfg, tok, examples, xcfg.warm_steps, xcfg.warm_batch_size,
                                         xcfg.warm_learning_rate, xcfg.warm_seed, xcfg.warm_max_len,
-                                        log_every=max(1, xcfg.warm_steps // 10), history=history)
+                                        log_every=max(1, xcfg.warm_steps // 10), history=history,
+                                        bucket_multiple=xcfg.warm_bucket_multiple)
     seconds = time.perf_counter() - t0
     tmp = out + ".tmp"
     warm_start.save_warm_start(state, model_cfg, tok, tmp, metadata={

@@ -66,24 +66,35 @@ def encode_examples(tokenizer, examples: Sequence[Any], max_len: int) -> tuple[l
     return out, roles, dropped
 
 
-def bucketed_batches(lengths: Sequence[int], batch_size: int, rng: np.random.Generator, max_len: int):
-    """Endless iterator of index lists: each epoch shuffles, groups indices by ``text.bucket_length`` and cuts
-    each group into batches of ``batch_size`` (a group's last partial batch is topped up from the same group),
-    then shuffles the batch order."""
+def padded_length(n: int, max_len: int, multiple: Optional[int] = None) -> int:
+    """The row length a batch of examples of length ``n`` is padded to: ``text.bucket_length`` (powers of two),
+    or, with ``multiple``, ``n`` rounded up to a multiple of it (finer buckets: less padding, more compiles)."""
     from nlac_jax import text
+    if multiple is None:
+        return text.bucket_length(int(n), 16, max_len)
+    if n > max_len:
+        raise ValueError(f"length {n} exceeds the maximum {max_len}")
+    return min(max_len, -(-int(n) // multiple) * multiple)
+
+
+def bucketed_batches(lengths: Sequence[int], batch_size: int, rng: np.random.Generator, max_len: int,
+                     multiple: Optional[int] = None):
+    """Endless iterator of (padded length, index list): each epoch shuffles, groups indices by
+    :func:`padded_length` and cuts each group into batches of ``batch_size`` (a group's last partial batch is
+    topped up from the same group), then shuffles the batch order."""
     if not lengths:
         raise ValueError("bucketed_batches needs at least one example")
     while True:
         groups: dict[int, list[int]] = {}
         for i in rng.permutation(len(lengths)):
-            groups.setdefault(text.bucket_length(int(lengths[i]), 16, max_len), []).append(int(i))
+            groups.setdefault(padded_length(int(lengths[i]), max_len, multiple), []).append(int(i))
         batches = []
-        for _, idx in sorted(groups.items()):
+        for width, idx in sorted(groups.items()):
             for s in range(0, len(idx), batch_size):
                 b = idx[s:s + batch_size]
                 if len(b) < batch_size:  # top up so every batch is full (no zero-weight rows wasting compute)
                     b = b + [idx[j % len(idx)] for j in range(batch_size - len(b))]
-                batches.append(b)
+                batches.append((width, b))
         for j in rng.permutation(len(batches)):
             yield batches[j]
 
@@ -136,7 +147,7 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
                      learning_rate: float, seed: int, max_len: int, mesh=None, *, params=None,
                      warmup_steps: Optional[int] = None, end_lr_ratio: float = 0.1, weight_decay: float = 0.0,
                      normalisation: str = "sequence", log_every: int = 50, eval_examples: Sequence[Any] = (),
-                     history: Optional[list] = None):
+                     history: Optional[list] = None, bucket_multiple: Optional[int] = None):
     """Supervised warm start: ``steps`` updates of the project's NLAC train step over ``examples`` (corpus
     examples or dicts with prompt_messages/target_text/kind/weight), bucketed by length and shuffled from
     ``seed``; cosine schedule with warmup (default 5% of the steps). Returns the TrainState.
@@ -146,6 +157,8 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
       the ~65-token critiques drown the 2-3-token actions of the policy and refiner examples in L2.
     Every ``log_every`` steps (and at the end) the mean train L1/L2 since the last log is logged, plus, when
     ``eval_examples`` are given, the per-role held-out loss; each record is appended to ``history``.
+    bucket_multiple: pad each batch to its length rounded up to this multiple (default: powers of two). On the
+      toy corpus, multiples of 32 cut the padded tokens by about a third for a few more compilations.
     """
     import jax
     from nlac_jax import sharding, text, training
@@ -166,14 +179,14 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
     if not encoded:
         raise ValueError("no training example fits max_len")
     lengths = [len(e.prompt_ids) + len(e.target_ids) for e in encoded]
-    batches = bucketed_batches(lengths, batch_size, np.random.default_rng([seed, 1]), max_len)
+    batches = bucketed_batches(lengths, batch_size, np.random.default_rng([seed, 1]), max_len, bucket_multiple)
     pad = tokenizer.pad_token_id or 0
     acc: dict[str, list] = {}
     t0 = last = time.perf_counter()
     tokens = 0
     for i in range(steps):
-        idx = next(batches)
-        batch = text.pack_examples([encoded[j] for j in idx], max_len, pad_id=pad)
+        width, idx = next(batches)
+        batch = text.pack_examples([encoded[j] for j in idx], max_len, pad_to=width, pad_id=pad)
         tokens += int(batch.attention_mask.sum())
         state, metrics = step_fn(state, batch)
         acc.setdefault("pending", []).append(metrics)

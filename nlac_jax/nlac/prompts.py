@@ -21,7 +21,9 @@ terminal_summary    ``terminal_summary(reward, ret, success)``    the target TEX
 Template files may contain section lines ``=== system ===`` / ``=== user ===`` / ``=== assistant ===``; each
 section becomes one chat message (sections that render empty are dropped). A file without section lines is a
 single user message. Sections are split BEFORE rendering, so transcripts that happen to contain such lines
-cannot inject messages. ``policy`` and ``terminal_summary`` templates render to plain text (no sections).
+cannot inject messages. ``terminal_summary`` renders plain text (no sections); a ``policy`` template without
+sections is a system hint, with sections it replaces the state messages (see ``PromptSet.policy``). Templates
+may ``{% include "<set>/<file>" %}`` shared pieces from the packaged template root.
 
 Prompt sets: ``PromptSet(task='twenty_questions')`` looks for each role in ``templates/twenty_questions/``
 first and falls back to ``templates/default/``. Extra template roots (``template_dirs``) are searched before
@@ -68,9 +70,12 @@ TEMPLATE_ROOT = Path(__file__).resolve().parent / "templates"
 TASK_FOLDER_ALIASES = {"tau_retail": "tau_bench", "tau_airline": "tau_bench"}
 
 _SECTION_RE = re.compile(r"^===\s*(system|user|assistant)\s*===\s*$", re.MULTILINE)
-_TEXT_ONLY_ROLES = ("policy", "terminal_summary")
+_TEXT_ONLY_ROLES = ("terminal_summary",)
 
 _JINJA = jinja2.Environment(
+    # `{% include '<set>/<file>' %}` reads shared pieces from the packaged template root (e.g.
+    # toy_compact/_state.txt, one rendering of the state for every role of a set).
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_ROOT)),
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
@@ -143,6 +148,7 @@ class PromptTemplate:
     source: str
     origin: str  # file path, or "<string>" for inline templates
     sections: tuple
+    sectioned: bool = False  # the source has explicit ``=== <role> ===`` lines
 
     @classmethod
     def compile(cls, role: str, source: str, origin: str) -> "PromptTemplate":
@@ -159,7 +165,7 @@ class PromptTemplate:
                 sections.append((chat_role, _JINJA.from_string(body)))
         if role in _TEXT_ONLY_ROLES and (len(sections) != 1 or rest):
             raise ValueError(f"{origin}: the {role!r} template renders plain text; remove the section lines")
-        return cls(role=role, source=source, origin=origin, sections=tuple(sections))
+        return cls(role=role, source=source, origin=origin, sections=tuple(sections), sectioned=bool(rest))
 
     def render_messages(self, **fields: Any) -> list[dict]:
         """Renders every section; raises ``jinja2.UndefinedError`` when a field the template uses is missing."""
@@ -338,11 +344,15 @@ class PromptSet:
     # --- the roles ----------------------------------------------------------------------------------------
 
     def policy(self, state: Sequence[Mapping]) -> list[dict]:
-        """The policy prompt: the state messages themselves (copied), plus the policy template's text as a
-        system hint when it renders non-empty (appended to the first system message, or a new one)."""
+        """The policy prompt. By default the state messages themselves (copied), plus the policy template's text
+        as a system hint when it renders non-empty (appended to the first system message, or a new one). A
+        policy template with ``=== <role> ===`` lines instead REPLACES the messages with its rendering of the
+        state (an observation function, e.g. templates/toy_compact/policy.txt)."""
         return self._fitted("policy", state, self._policy_messages)
 
     def _policy_messages(self, state: Sequence[Mapping]) -> list[dict]:
+        if self._templates["policy"].sectioned:
+            return self.render("policy", **self._common(state))
         messages = [dict(m) for m in state]
         hint = self._templates["policy"].render_text(**self._common(state))
         if hint:
