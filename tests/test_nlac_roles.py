@@ -126,3 +126,19 @@ def test_critic_diagnostics_reads_completion_texts():
     assert m["calib/return_mae"] == pytest.approx(0.5) and m["calib/success_accuracy"] == 1.0
     assert m["verdict/n"] == 1 and m["verdict/accuracy"] == 1.0
     assert not math.isnan(m["verdict/predicted_optimal"])
+
+
+def test_critic_diagnostics_spreads_its_transitions_over_all_episodes():
+    """With more transitions than the budget, the sample covers every episode, not just the first ones."""
+    eps = []
+    for k in range(4):  # only the last episode earns a reward (at its last step)
+        state = [{"role": "user", "content": f"task {k}"}]
+        trs = [Transition(state_messages=state, action=f"a{k}.{j}", reward=float(k == 3 and j == 2),
+                          next_state_messages=state, done=j == 2) for j in range(3)]
+        eps.append(Episode(task=Task(f"t{k}", "eval"), messages=state, transitions=trs, total_return=float(k == 3),
+                           success=k == 3, length=3, num_errors=0))
+    s = ScriptedRoleSampler({"successor": "Outcome: success; Return: 1", "evaluator": "Verdict: optimal"})
+    m = rollout.critic_diagnostics(eps, s, PS, AlwaysOptimal(), max_transitions=4)
+    # evenly spaced over the 12 transitions: indices 0, 4, 7, 11 (one per episode); return-to-go 0, 0, 0, 1.
+    # The first four (the old sample) would all come from episodes 0-1: mean 0.
+    assert m["calib/n"] == 4 and m["calib/actual_return_to_go"] == pytest.approx(0.25)

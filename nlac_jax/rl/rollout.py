@@ -57,7 +57,8 @@ def _is_optimal(judge_env, task, state, action):
 
 def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
                        max_transitions: int = 16, params: str = "policy") -> dict:
-    """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes.
+    """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes,
+    evenly spaced over all their transitions (the first ones would all come from the first few episodes).
 
     judge_env: an env instance whose `is_action_optimal(state, action)` gives ground truth (None = unknown).
     Returns metrics under 'calib/' and 'verdict/' (NaN where nothing could be measured).
@@ -67,7 +68,9 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
         for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
             items.append((t.state_messages, t.action, rtg, bool(ep.success)))
             item_tasks.append(ep.task)
-    items = items[:max_transitions]
+    if len(items) > max_transitions:
+        keep = sorted({int(round(i)) for i in np.linspace(0, len(items) - 1, max_transitions)})
+        items, item_tasks = [items[i] for i in keep], [item_tasks[i] for i in keep]
     out = {"calib/n": len(items)}
     if not items:
         return out
