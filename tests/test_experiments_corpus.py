@@ -94,7 +94,38 @@ def test_non_number_critique():
     text, verdict, rng_ = C.critique(judge, state, "I am not sure.")
     assert verdict is False and rng_ == (37, 64)
     assert text == ("Possible: 1 to 100, 7 guesses left. Good guesses: 37 to 64. Guess I am not sure. is not a number."
-                    "\nVerdict: suboptimal")
+                    " Try 50.\nVerdict: suboptimal")
+
+
+def test_compact_evaluator_calculator_is_the_env_rule():
+    """toy_compact's evaluator prompt states the good range and its middle; on every state of many behaviour
+    episodes (N = 32 and a loose N = 20 with 8 guesses) they equal GuessNumberEnv.optimal_actions."""
+    import random
+    import re
+    from nlac_jax.nlac.prompts import PromptSet
+    ps = PromptSet(task="toy", prompt_set="toy_compact")
+    checked = 0
+    for n, turns in ((32, None), (20, 8)):
+        rng = random.Random(n)
+        for task in GuessNumberTaskSource(n).tasks("all"):
+            judge = GuessNumberEnv(n=n, max_turns=turns)
+            state = judge.reset(task)
+            done = False
+            while not done:
+                opt = judge.optimal_actions(state)
+                shown = re.search(r"Good guesses now: (.*)\.", ps.evaluator(state, "1", ["f"])[0]["content"]).group(1)
+                want = f"{min(opt)} to {max(opt)}, middle {(min(opt) + max(opt)) // 2}" if opt else "none"
+                assert shown == want, (state, shown, want)
+                checked += 1
+                guess = C.behaviour_action(state, n, rng)
+                res = judge.step(guess)
+                state = state + [{"role": "assistant", "content": guess}, {"role": "user", "content": res.observation}]
+                done = res.done
+    assert checked > 100
+    for role in ("policy", "refiner", "successor"):  # the calculator is the critic's alone
+        assert "Good guesses now" not in PromptSet(task="toy", prompt_set="toy_compact").render(
+            role, **({"action": "1", "critique": "c", "previous_refinements": []} if role != "policy" else {}),
+            transcript="", state_messages=state, task="toy")[0]["content"]
 
 
 def test_refinements_are_optimal(examples):

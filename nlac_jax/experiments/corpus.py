@@ -180,8 +180,9 @@ def critique(judge: GuessNumberEnv, state: Sequence[dict], action: str) -> tuple
     """The scripted evaluator: (critique text, verdict, good range). ``judge`` is reset to the episode's task.
 
     Text: ``Possible: <lo> to <hi>, <r> guesses left. Good guesses: <x> to <y>. Guess <g> is inside that range.``
-    (or ``is outside that range.`` / ``Guess <text> is not a number.``), then ``Verdict: optimal|suboptimal``. The
-    verdict is ``judge.is_action_optimal`` and is asserted to agree with the range sentence.
+    (or ``is outside that range.`` / ``Guess <text> is not a number.``, each followed by ``Try <m>.`` with m the
+    middle of the good range: the better guess the refiner should take), then ``Verdict: optimal|suboptimal``.
+    The verdict is ``judge.is_action_optimal`` and is asserted to agree with the range sentence.
     """
     lo, hi, used, _ = consistent_interval(state, judge.n)
     r = judge.max_turns - used
@@ -197,6 +198,8 @@ def critique(judge: GuessNumberEnv, state: Sequence[dict], action: str) -> tuple
         inside = rng_ is not None and rng_[0] <= g <= rng_[1]
         tail = f"Guess {g} is {'inside' if inside else 'outside'} that range."
     assert inside == verdict, (state, action, rng_, verdict)
+    if not inside and rng_ is not None:
+        tail += f" Try {(rng_[0] + rng_[1]) // 2}."
     return f"{head} {good} {tail}\nVerdict: {'optimal' if verdict else 'suboptimal'}", verdict, rng_
 
 
