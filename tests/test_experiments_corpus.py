@@ -94,7 +94,7 @@ def test_non_number_critique():
     text, verdict, rng_ = C.critique(judge, state, "I am not sure.")
     assert verdict is False and rng_ == (37, 64)
     assert text == ("Possible: 1 to 100, 7 guesses left. Good guesses: 37 to 64. Guess I am not sure. is not a number."
-                    " Try 50.\nVerdict: suboptimal")
+                    " Best: 50.\nVerdict: suboptimal")
 
 
 def test_compact_evaluator_calculator_is_the_env_rule():
@@ -128,17 +128,18 @@ def test_compact_evaluator_calculator_is_the_env_rule():
             transcript="", state_messages=state, task="toy")[0]["content"]
 
 
-def test_refinements_are_optimal(examples):
+def test_refinements_are_the_critiques_best_guess(examples):
+    """The refinement is the middle of the good range, the number the critique names ("Best: <m>."), optimal by the
+    env's rule; it equals the action only where the action already was that guess."""
     refs = [e for e in examples if e.role == "refiner"]
     assert any(e.target_text != e.action for e in refs) and any(e.target_text == e.action for e in refs)
     for e in refs:
         judge = _judge(e.task_id)
         assert judge.is_action_optimal(e.state, e.target_text)
-        if judge.is_action_optimal(e.state, e.action):
-            assert e.target_text == e.action
-        else:
-            x, y = e.meta["good_range"]
-            assert e.target_text == str((x + y) // 2)
+        x, y = e.meta["good_range"]
+        assert e.target_text == str((x + y) // 2)
+        critique = e.prompt_messages[-1]["content"].split("Critique: ")[1]
+        assert f"Best: {e.target_text}." in critique
 
 
 def test_behaviour_policy_between_zero_and_bisection():

@@ -490,7 +490,7 @@ def test_toy_templates_are_short_and_exact():
     assert f"Reply: {obs}\n" in bk and "[USER]" not in bk.split("Guess: 25")[1]  # the bare reply word
     ev = _text(ps.evaluator(st, action, ["Reply: higher. Next guess 37: correct.\nOutcome: success; Return: 1"]))
     shape = ("Possible: <lo> to <hi>, <r> guesses left. Good guesses: <x> to <y>. "
-             "Guess <g> is <inside|outside> that range.[ Try <middle>.]\nVerdict: <optimal|suboptimal>")
+             "Guess <g> is <inside|outside> that range. Best: <middle>.\nVerdict: <optimal|suboptimal>")
     assert ev.endswith(shape)
     example = "Possible: 1 to 49, 6 guesses left. Good guesses: 18 to 32. Guess 25 is inside that range.\nVerdict: optimal"
     assert parse_verdict(example) is True and parse_verdict(example.replace("inside", "outside").replace(": optimal", ": suboptimal")) is False

@@ -180,9 +180,9 @@ def critique(judge: GuessNumberEnv, state: Sequence[dict], action: str) -> tuple
     """The scripted evaluator: (critique text, verdict, good range). ``judge`` is reset to the episode's task.
 
     Text: ``Possible: <lo> to <hi>, <r> guesses left. Good guesses: <x> to <y>. Guess <g> is inside that range.``
-    (or ``is outside that range.`` / ``Guess <text> is not a number.``, each followed by ``Try <m>.`` with m the
-    middle of the good range: the better guess the refiner should take), then ``Verdict: optimal|suboptimal``.
-    The verdict is ``judge.is_action_optimal`` and is asserted to agree with the range sentence.
+    (or ``is outside that range.`` / ``Guess <text> is not a number.``), then ``Best: <m>.`` with m the middle of
+    the good range (the guess the refiner takes), then ``Verdict: optimal|suboptimal``. The verdict is
+    ``judge.is_action_optimal`` and is asserted to agree with the range sentence.
     """
     lo, hi, used, _ = consistent_interval(state, judge.n)
     r = judge.max_turns - used
@@ -198,8 +198,8 @@ def critique(judge: GuessNumberEnv, state: Sequence[dict], action: str) -> tuple
         inside = rng_ is not None and rng_[0] <= g <= rng_[1]
         tail = f"Guess {g} is {'inside' if inside else 'outside'} that range."
     assert inside == verdict, (state, action, rng_, verdict)
-    if not inside and rng_ is not None:
-        tail += f" Try {(rng_[0] + rng_[1]) // 2}."
+    if rng_ is not None:
+        tail += f" Best: {(rng_[0] + rng_[1]) // 2}."
     return f"{head} {good} {tail}\nVerdict: {'optimal' if verdict else 'suboptimal'}", verdict, rng_
 
 
@@ -340,7 +340,10 @@ def critic_and_policy_examples(ps: PromptSet, cfg: TargetConfig, traj: Sequence[
 def _critic_refiner_examples(ps: PromptSet, judge: GuessNumberEnv, task: Task, state: list, action: str,
                              future: str, meta: dict) -> list[CorpusExample]:
     text, verdict, rng_ = critique(judge, state, action)
-    refined = action if verdict else str((rng_[0] + rng_[1]) // 2)
+    # The refiner takes the critique's best guess (the middle of the good range), also when the guess was already
+    # good: a tiny evaluator's verdict errs towards "inside", and a refiner that kept "optimal" guesses would pass
+    # those errors on to the policy. The refinement still comes only from the critique's text.
+    refined = str((rng_[0] + rng_[1]) // 2) if rng_ is not None else action
     assert judge.is_action_optimal(state, refined), (state, action, refined)
     m = dict(meta, verdict=verdict, good_range=rng_)
     return [CorpusExample("evaluator", ps.evaluator(state, action, [future]), text, task.id, state, action, m),
