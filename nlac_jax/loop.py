@@ -43,7 +43,9 @@ class LoopConfig:
     max_len: tokens per example (prompt + target). Every role prompt is fitted to max_len minus the longest target
       it is sampled with or trained on (text.PromptFitter: middle messages of the state are elided, the system
       prompt and task never); the run refuses to start when an initial prompt cannot fit.
-    eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
+    eval_before_training: evaluate the starting policy before the first iteration (metrics row ``iteration`` 0, the
+      summary table's first line; skipped on resume, where the row is already written), so a run from a warm start
+      shows where it began. eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
       there are fewer tasks than episodes);
       eval_temperature: 0 = greedy; calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
@@ -65,6 +67,7 @@ class LoopConfig:
     train_steps: int | None = 2
     batch_size: int = 8
     max_len: int = 1024
+    eval_before_training: bool = False
     eval_every: int = 2
     eval_episodes: int = 8
     eval_temperature: float = 0.0
@@ -94,8 +97,9 @@ class LoopConfig:
             _check_int(self, name, 1, none_ok=True)
         _check_float(self, "eval_temperature", 0.0, None, "a finite number >= 0 (0 = greedy)")
         _check_float(self, "top_p", 0.0, 1.0, "a number in (0, 1] (1 = off)", lo_open=True)
-        if not isinstance(self.export_hf, bool):
-            raise TypeError(f"LoopConfig.export_hf = {self.export_hf!r}: expected True or False")
+        for name in ("export_hf", "eval_before_training"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LoopConfig.{name} = {getattr(self, name)!r}: expected True or False")
         if self.seqio_task is not None and not isinstance(self.seqio_task, str):
             raise TypeError(f"LoopConfig.seqio_task = {self.seqio_task!r}: expected a task name or None")
 
@@ -493,7 +497,9 @@ class MetricsWriter:
             return
         if os.path.exists(self.path):
             with open(self.path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln).get("iteration", 0) <= start_iteration]
+                # a fresh start (start_iteration 0) re-runs everything, the evaluation before training included
+                keep = [ln for ln in f if ln.strip() and start_iteration > 0
+                        and json.loads(ln).get("iteration", 0) <= start_iteration]
             with open(self.path, "w") as f:
                 f.writelines(keep)
         try:
@@ -536,6 +542,8 @@ def _why_empty(key: str, row: dict, missing: bool, eval_every: int | None) -> st
         if key in _EVAL_KEYS:
             when = f" (every {eval_every} iterations and after the last: LoopConfig.eval_every)" if eval_every else ""
             return f"no evaluation this iteration{when}"
+        if row.get("iteration") == 0:
+            return "iteration 0 is the starting policy's evaluation, before any training"
         if key in ("train/l1", "train/l2"):
             return "no train step this iteration (no examples)"
         return "not measured this iteration"
@@ -642,6 +650,10 @@ def run(workdir: str) -> list[dict]:
         writer = MetricsWriter(r.workdir, r.start_iteration, enabled=main_proc)
         os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
         rows = []
+        if r.loop.eval_before_training and r.start_iteration == 0:
+            m0 = {"iteration": 0, **r.evaluate(-1)}
+            writer.write(m0)
+            rows.append(m0)
         bar = tqdm(total=r.loop.iterations * len(PHASES), initial=r.start_iteration * len(PHASES),
                    disable=not main_proc, desc="nlac", dynamic_ncols=True)
 

@@ -64,14 +64,16 @@ def _metrics(workdir):
 
 def test_one_iteration_end_to_end_8_devices(tmp_path):
     wd = str(tmp_path / "run")
-    res = subprocess.run(_cmd(wd, 1, ["make_mesh.data = 2", "make_mesh.fsdp = 2", "make_mesh.tensor = 2"]),
+    res = subprocess.run(_cmd(wd, 1, ["make_mesh.data = 2", "make_mesh.fsdp = 2", "make_mesh.tensor = 2",
+                                      "LoopConfig.eval_before_training = True"]),
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _metrics(wd)
-    assert len(rows) == 1
-    missing = [k for k in REQUIRED_METRICS if k not in rows[0]]
+    assert [r["iteration"] for r in rows] == [0, 1]  # the starting policy's evaluation, then the iteration
+    assert rows[0]["eval/num_episodes"] == 2 and not any(k.startswith(("train/", "collect/")) for k in rows[0])
+    missing = [k for k in REQUIRED_METRICS if k not in rows[1]]
     assert not missing, f"metrics.jsonl lacks {missing}"
-    r = rows[0]
+    r = rows[1]
     assert r["train/step"] == 2 and r["train/critic_tokens"] > 0 and r["train/policy_tokens"] > 0
     assert r["train/updates_per_target"] == 2.0  # 2 steps over <= 8 examples, batch 8: each used twice
     assert np.isfinite(r["train/l1"]) and np.isfinite(r["train/l2"])
@@ -84,6 +86,18 @@ def test_one_iteration_end_to_end_8_devices(tmp_path):
     assert os.path.isfile(os.path.join(wd, "learning_curves.png"))
     assert os.path.isfile(os.path.join(wd, "hf_export", "model.safetensors"))
     assert "L1 critic" in res.stdout  # the printed summary table
+    assert "\n   0 |" in res.stdout and "iteration 0 is the starting policy's evaluation" in res.stdout
+
+
+def test_metrics_writer_keeps_only_finished_rows(tmp_path):
+    from nlac_jax.loop import MetricsWriter
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"iteration": i}) + "\n" for i in (0, 1, 2, 3))
+    path.write_text(rows)
+    MetricsWriter(str(tmp_path), start_iteration=2).close()  # resume after iteration 2: rows 0-2 stay
+    assert [json.loads(x)["iteration"] for x in path.read_text().splitlines()] == [0, 1, 2]
+    MetricsWriter(str(tmp_path), start_iteration=0).close()  # a fresh start re-runs everything, row 0 included
+    assert path.read_text() == ""
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
