@@ -6,7 +6,8 @@
     save_warm_start(state, cfg, tok, "runs/warm_toy")        # config.json + safetensors + tokenizer files
     # NLAC then starts from it: build_model.model_dir = "runs/warm_toy" (loop.NLACRun loads θ = θ̄ from it)
 
-Batches hold examples of one length bucket (``text.bucket_length``), so padding stays small and the jitted step
+Batches hold examples of one length bucket (``padded_length``: powers of two, or multiples of ``bucket_multiple``), so
+padding stays small and the jitted step
 compiles once per bucket. Every choice (shuffle, bucket order) is a function of ``seed``. The train step's L1 is
 the successor/backup loss and L2 the policy/evaluator/refiner loss; :func:`role_losses` splits them per role.
 
