@@ -167,6 +167,11 @@ def data_parallel_size(mesh: Mesh, rules=None) -> int:
 _ACTIVE: dict = {"mesh": None, "rules": None}
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh entered with `use_mesh`, or None (activation constraints are then no-ops)."""
+    return _ACTIVE["mesh"]
+
+
 def _active_rules():
     return _ACTIVE["rules"] if _ACTIVE["rules"] is not None else configured_rules()
 

@@ -161,12 +161,12 @@ def test_chunked_logits_equal_full_logits():
     params = init_params()
     hidden = jnp.asarray(r.randn(2, 13, CFG.hidden_size), jnp.float32)
     labels = jnp.asarray(r.randint(0, CFG.vocab_size, (2, 13)), jnp.int32)
-    f = jax.jit(lambda h, c: loss_lib.token_nll(h, params, labels, tied=False, dtype=jnp.float32, chunk=c),
+    f = jax.jit(lambda h, c: loss_lib.token_nll(CFG, h, params, labels, chunk=c),
                 static_argnums=1)
     full = f(hidden, 0)
     for c in (4, 5, 13):
         np.testing.assert_allclose(f(hidden, c), full, rtol=1e-6, atol=1e-6)
-    g = jax.jit(jax.grad(lambda h, c: loss_lib.token_nll(h, params, labels, tied=False, dtype=jnp.float32,
+    g = jax.jit(jax.grad(lambda h, c: loss_lib.token_nll(CFG, h, params, labels,
                                                          chunk=c).sum()), static_argnums=1)
     np.testing.assert_allclose(g(hidden, 4), g(hidden, 0), rtol=1e-5, atol=1e-6)
 

@@ -111,7 +111,7 @@ def _eval_loss_fn(cfg):
     def fn(params, ids, positions, mask, loss_mask):
         hidden, _ = CausalLM(cfg).apply({"params": params}, ids, positions, mask, return_hidden=True)
         labels, tmask = loss_lib.shift_targets(ids, loss_mask)
-        nll = loss_lib.token_nll(hidden, params, labels, tied=cfg.tie_word_embeddings, dtype=jnp.dtype(cfg.dtype))
+        nll = loss_lib.token_nll(cfg, hidden, params, labels)
         return (nll * tmask).sum(1) / jnp.maximum(tmask.sum(1), 1.0)
     return fn
 

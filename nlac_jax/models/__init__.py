@@ -1,7 +1,7 @@
 """Public model API.
 
     from nlac_jax import models
-    m = models.load_pretrained("path/to/hf_dir", dtype="float32")   # Qwen2 or Llama-family HF directory
+    m = models.load_pretrained("path/to/hf_dir", dtype="float32")   # any family in models/families (Qwen2/3, Llama, Gemma 3)
     logits = m.logits(input_ids, attention_mask)                      # [batch, seq, vocab]
     m.save_pretrained("out_dir")                                      # loadable by transformers
     m = models.random_model(models.ModelConfig(...), seed=0)          # random init (tests, demo)
@@ -19,13 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from nlac_jax import sharding
-from nlac_jax.models import hf_io
+from nlac_jax.models import decoder
+from nlac_jax.models import families, hf_io
 from nlac_jax.models.config import ConfigError, ModelConfig
-from nlac_jax.models.decoder import CACHE_LOGICAL_AXES, CausalLM, init_cache
+from nlac_jax.models.decoder import (CACHE_LOGICAL_AXES, CausalLM, abstract_params, decode_step, dummy_inputs,
+                                     head_params, init_cache, layout_params, lm_head, prefill, stack_layers,
+                                     unstack_layers)
 from nlac_jax.models.hf_io import CheckpointError
 
 __all__ = ["ModelConfig", "ConfigError", "CheckpointError", "CausalLM", "Model", "load_pretrained", "random_model",
-           "check_tokenizer",
+           "check_tokenizer", "families", "abstract_params", "dummy_inputs", "lm_head", "head_params", "prefill",
+           "decode_step", "layout_params",
            "init_params", "param_logical_axes", "param_shardings", "stack_layers", "unstack_layers", "init_cache",
            "CACHE_LOGICAL_AXES", "positions_from_mask", "forward"]
 
@@ -36,52 +40,24 @@ def positions_from_mask(attention_mask) -> jax.Array:
     return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0) * m
 
 
-def _dummy_inputs(batch=1, length=1):
-    z = jnp.zeros((batch, length), jnp.int32)
-    return z, z, jnp.ones_like(z)
-
-
-def _abstract_boxed(cfg: ModelConfig):
-    return jax.eval_shape(lambda: CausalLM(cfg).init(jax.random.key(0), *_dummy_inputs())["params"])
-
-
 def param_logical_axes(cfg: ModelConfig):
     """Tree (like the params) of logical-axis-name tuples."""
-    return jax.tree.map(lambda x: tuple(x.names), _abstract_boxed(cfg),
+    return jax.tree.map(lambda x: tuple(x.names), decoder.abstract_boxed_params(cfg),
                         is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules=None):
     """Tree of NamedSharding for the params of `cfg` on `mesh`, from the one rules table."""
-    return nn.unbox(sharding.param_shardings(_abstract_boxed(cfg), mesh, rules))
+    return nn.unbox(sharding.param_shardings(decoder.abstract_boxed_params(cfg), mesh, rules))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> dict:
     """Random parameters (HF-style N(0, 0.02) init), born sharded when `mesh` is given (jit with out_shardings)."""
     def init(key):
-        return nn.unbox(CausalLM(cfg).init(key, *_dummy_inputs())["params"])
+        return nn.unbox(CausalLM(cfg).init(key, *dummy_inputs())["params"])
     if mesh is None:
         return jax.jit(init)(jax.random.key(seed))
     return jax.jit(init, out_shardings=param_shardings(cfg, mesh, rules))(jax.random.key(seed))
-
-
-def stack_layers(params: dict, num_layers: int) -> dict:
-    """{'layers_0': t0, ...} -> {'layers': stacked} (unscanned -> scanned layout)."""
-    if "layers" in params:
-        return params
-    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *[params[f"layers_{i}"] for i in range(num_layers)])
-    return out
-
-
-def unstack_layers(params: dict, num_layers: int) -> dict:
-    """{'layers': stacked} -> {'layers_0': t0, ...} (scanned -> unscanned layout)."""
-    if "layers" not in params:
-        return params
-    out = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -125,7 +101,7 @@ class Model:
         cfg = self.config.replace(**kw)
         params = self.params
         if cfg.scan_layers != self.config.scan_layers:
-            params = (stack_layers if cfg.scan_layers else unstack_layers)(params, cfg.num_layers)
+            params = layout_params(cfg, params)
         if cfg.param_dtype != self.config.param_dtype:
             params = jax.tree.map(lambda a: a.astype(cfg.param_dtype), params)
         return Model(cfg, params, self.tokenizer)
@@ -163,7 +139,7 @@ def check_tokenizer(cfg: ModelConfig, tokenizer, source: str | None = None) -> N
     specials = {f"tokenizer.{k}": getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     specials.update({f"config.{k}": getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     vocab = tokenizer.get_vocab()
-    for tok in ("<|im_end|>", "<|eot_id|>"):  # the chat turn-end token (text.turn_end_token_id)
+    for tok in sorted({f.turn_end_token for f in families.FAMILIES.values()}):  # chat turn-end tokens
         if tok in vocab:
             specials[tok] = vocab[tok]
     for name, ids in specials.items():

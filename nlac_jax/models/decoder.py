@@ -1,4 +1,11 @@
-"""Qwen2 / Llama-family causal decoder in Flax Linen.
+"""The one causal decoder of every supported family (Qwen2/3, Llama 3.x, Mistral, Gemma 3) in Flax Linen.
+
+The model owns its whole forward path: embedding, layers, LM head (`lm_head`, used by the model, the sampler and
+the loss), KV cache (`init_cache`), prompt prefill (`prefill`) and one-step decode (`decode_step`). Family
+differences are ModelConfig block options (models/config.py), set by each family's config reader
+(models/families/). The layer loop is either `nn.scan` over stacked weights (`cfg.scan_layers`) or a Python loop
+over per-layer weights and per-layer cache buffers: the same modules either way (the sampler picks the loop on
+XLA:CPU, where it avoids copying every layer's weights out of the stack on each decode step).
 
 Why Linen: parameters are a plain pytree argument (see docs/ARCHITECTURE.md), so one compiled sampler or train
 step runs with θ, θ̄ or restored arrays alike, and `nn.scan`/`nn.remat`/logical partitioning come for free.
@@ -90,10 +97,30 @@ def _dot(eq: str, x: Array, w: Array, dtype) -> Array:
     return checkpoint_name(einsum(eq, x, w, dtype), "linear")
 
 
-def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = ()) -> Array:
+    """Inverse RoPE frequencies [D/2] float32, with optional scaling (pairs as in ModelConfig.rope_scaling).
+
+    linear: every frequency divided by `factor`. llama3: wavelengths longer than original_max / low_freq_factor
+    are divided by `factor`, shorter than original_max / high_freq_factor kept, and the band between interpolated
+    smoothly (Llama 3.1's published rule)."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    sc = dict(scaling)
+    kind = sc.get("rope_type")
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * jnp.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        return jnp.where(wavelen > old / lo, inv / factor, jnp.where(wavelen < old / hi, inv, mid))
+    return inv
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float, scaling: tuple = ()) -> tuple[Array, Array]:
     """RoPE tables in float32. positions [B, T] int -> cos, sin [B, T, D] (HF rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, theta, scaling)  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -106,11 +133,21 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def attention_mask_bias(q_slot: Array, kv_mask: Array) -> Array:
-    """Additive bias [B, 1, 1, T, S]: key s is visible to query t iff kv_mask[b, s] and s <= q_slot[b, t]."""
-    s = jnp.arange(kv_mask.shape[1])
-    ok = (kv_mask[:, None, :] > 0) & (s[None, None, :] <= q_slot[:, :, None])
+def attention_mask_bias(q_slot: Array, kv_mask: Array, window: int | None = None) -> Array:
+    """Additive bias [B, 1, 1, T, S]: key s is visible to query t iff kv_mask[b, s], s <= q_slot[b, t] and (with a
+    sliding window) s > q_slot[b, t] - window. Slots, not positions: a row's real tokens sit in consecutive slots,
+    so slot distance = position distance (as in transformers' sliding-window mask)."""
+    s = jnp.arange(kv_mask.shape[1])[None, None, :]
+    q = q_slot[:, :, None]
+    ok = (kv_mask[:, None, :] > 0) & (s <= q)
+    if window is not None:
+        ok = ok & (s > q - window)
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+    """cap * tanh(x / cap) (Gemma's logit soft-cap); x unchanged when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 class Linear(nn.Module):
@@ -134,35 +171,53 @@ class Linear(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token embedding [V, E]; `attend` is the tied LM head."""
+    """Token embedding [V, E] (times sqrt(E) with `scale`, Gemma); the tied LM head reads the same table."""
 
     vocab_size: int
     features: int
     dtype: Any
     param_dtype: Any
+    scale: bool = False
 
     def setup(self):
         self.embedding = _param(self, "embedding", nn.initializers.normal(0.02), (self.vocab_size, self.features),
                                 ("vocab", "embed"), self.param_dtype)
 
     def __call__(self, tokens: Array) -> Array:
-        return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
-
-    def attend(self, hidden: Array) -> Array:
-        return einsum("bte,ve->btv", hidden, self.embedding, hidden.dtype, jnp.float32)
+        x = jnp.take(self.embedding, tokens, axis=0)
+        if self.scale:  # as transformers: the scale is rounded to the table's dtype, then multiplied in it
+            x = x * jnp.asarray(self.features ** 0.5, self.embedding.dtype)
+        return x.astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last axis. offset=False (Llama/Qwen): normalise in float32, cast, then times scale.
+    offset=True (Gemma): times (1 + scale) in float32, then cast; the scale is initialised at 0."""
+
     eps: float
     param_dtype: Any
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",), self.param_dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = _param(self, "scale", init, (x.shape[-1],), ("norm",), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Same order as HF: normalise in float32, cast, then scale.
+        if self.offset:
+            return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, name: str) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.param_dtype), cfg.norm_offset, name=name)
+
+
+def _pick(flag, if_true, if_false):
+    """if_true when flag else if_false; flag is a Python bool (unrolled layers) or a traced scalar (scanned)."""
+    if isinstance(flag, bool):
+        return if_true if flag else if_false
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), if_true, if_false)
 
 
 class Attention(nn.Module):
@@ -178,9 +233,10 @@ class Attention(nn.Module):
             bias = (heads_axis, "head_dim") if cfg.attention_bias else None
             return Linear("bte,end->btnd", (E, n, D), ("embed", heads_axis, "head_dim"), bias, dt, pdt, name=name)(x)
 
-        q = apply_rope(proj("q_proj", H, "heads"), cos, sin)
-        k = apply_rope(proj("k_proj", K, "kv_heads"), cos, sin)
-        v = proj("v_proj", K, "kv_heads")
+        q, k, v = proj("q_proj", H, "heads"), proj("k_proj", K, "kv_heads"), proj("v_proj", K, "kv_heads")
+        if cfg.qk_norm:  # per head over head_dim, before RoPE (Qwen3, Gemma 3)
+            q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         new_cache = None
         if layer_cache is not None:
@@ -191,11 +247,12 @@ class Attention(nn.Module):
 
         B, T = x.shape[:2]
         G = H // K
+        scale = (cfg.query_pre_attn_scalar or D) ** -0.5
         # query head h = kv_head * G + g, as HF's repeat_kv. Heads-major layouts ([B, K, G, T, D] x [B, K, S, D])
         # make both attention contractions plain batched matmuls (3-5x faster on CPU than the token-major einsum).
         qt = q.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
         kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        scores = einsum("bkgtd,bksd->bkgts", qt, kt, dt, jnp.float32) * (D ** -0.5)
+        scores = softcap(einsum("bkgtd,bksd->bkgts", qt, kt, dt, jnp.float32) * scale, cfg.attn_softcap)
         probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
         out = einsum("bkgts,bksd->bkgtd", probs, vt, dt)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
@@ -214,24 +271,56 @@ class MLP(nn.Module):
         def lin(name, shape, names):
             return Linear("bte,ef->btf" if names[0] == "embed" else "btf,fe->bte", shape, names, None, dt, pdt, name=name)
 
-        h = nn.silu(lin("gate_proj", (E, F), ("embed", "mlp"))(x)) * lin("up_proj", (E, F), ("embed", "mlp"))(x)
+        act = nn.silu if cfg.mlp_activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+        h = act(lin("gate_proj", (E, F), ("embed", "mlp"))(x)) * lin("up_proj", (E, F), ("embed", "mlp"))(x)
         h = sharding.constrain(h, ("batch", "length", "act_mlp"))
         return lin("down_proj", (F, E), ("mlp", "embed"))(h)
 
 
 class DecoderLayer(nn.Module):
+    """One block. attn_in: {'full': (cos, sin, bias)} plus 'sliding' when the model has sliding layers; is_sliding
+    (a Python bool, or a traced bool under nn.scan) picks this layer's entry."""
+
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, bias, cache_index, layer_cache):
+    def __call__(self, x, attn_in, cache_index, layer_cache, is_sliding):
         cfg = self.cfg
-        pdt = jnp.dtype(cfg.param_dtype)
-        h, new_cache = Attention(cfg, name="attn")(
-            RMSNorm(cfg.rms_norm_eps, pdt, name="input_norm")(x), cos, sin, bias, layer_cache, cache_index)
+        cos, sin, bias = attn_in["full"] if "sliding" not in attn_in else _pick(
+            is_sliding, attn_in["sliding"], attn_in["full"])
+        h, new_cache = Attention(cfg, name="attn")(_norm(cfg, "input_norm")(x), cos, sin, bias, layer_cache,
+                                                   cache_index)
+        if cfg.sandwich_norms:
+            h = _norm(cfg, "attn_out_norm")(h)
         x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, pdt, name="post_attn_norm")(x))
-        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+        h = MLP(cfg, name="mlp")(_norm(cfg, "post_attn_norm")(x))
+        if cfg.sandwich_norms:
+            h = _norm(cfg, "mlp_out_norm")(h)
+        x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
         return x, new_cache
+
+
+def _logits(cfg: ModelConfig, embedding: Array, head: Array | None, hidden: Array) -> Array:
+    """The LM head's arithmetic: hidden [B, T, E] -> logits [B, T, V] float32 (float32 accumulation, soft-cap)."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_word_embeddings:
+        logits = einsum("bte,ve->btv", hidden, embedding, dt, jnp.float32)
+    else:
+        logits = einsum("bte,ev->btv", hidden, head, dt, jnp.float32)
+    return sharding.constrain(softcap(logits, cfg.final_softcap), ("batch", "length", "act_vocab"))
+
+
+def head_params(cfg: ModelConfig, params: dict) -> dict:
+    """The part of the parameter tree `lm_head` reads (the embedding when tied, else the bare 'lm_head' array)."""
+    return {"embed": params["embed"]} if cfg.tie_word_embeddings else {"lm_head": params["lm_head"]}
+
+
+def lm_head(cfg: ModelConfig, params: dict, hidden: Array) -> Array:
+    """Final hidden states [B, T, E] (after the final norm) -> logits [B, T, V] float32. The one LM head: the
+    model, the sampler and the loss all call it. `params`: the full tree or `head_params(cfg, params)`."""
+    if cfg.tie_word_embeddings:
+        return _logits(cfg, params["embed"]["embedding"], None, hidden)
+    return _logits(cfg, None, params["lm_head"], hidden)
 
 
 class CausalLM(nn.Module):
@@ -245,73 +334,70 @@ class CausalLM(nn.Module):
         """Forward pass.
 
         tokens, positions, attention_mask: int32 [B, T] (attention_mask 1 = real token, 0 = padding).
-        cache: None, or {'k','v': [L, B, S, K, D], 'mask': [B, S] int32, 'index': int32 scalar}: the T tokens are
-          written at slots index..index+T-1 and attend to every valid earlier slot.
-        Returns (logits [B, T, V] float32 — or final hidden [B, T, E] if return_hidden — , new cache or None).
+        cache: None, or init_cache(cfg, ...): {'k','v': [L, B, S, K, D] (scan_layers) or L-tuples of [B, S, K, D],
+          'mask': [B, S] int32, 'index': int32 scalar}: the T tokens are written at slots index..index+T-1 and
+          attend to every valid earlier slot (within the window on sliding layers).
+        Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
         """
         cfg = self.cfg
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         B, T = tokens.shape
-        embed = Embed(cfg.vocab_size, cfg.hidden_size, dt, pdt, name="embed")
-        x = embed(tokens)
-        x = sharding.constrain(x, ("batch", "length", "act_embed"))
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        embed = Embed(cfg.vocab_size, cfg.hidden_size, dt, pdt, cfg.embed_scale, name="embed")
+        x = sharding.constrain(embed(tokens), ("batch", "length", "act_embed"))
 
         if cache is None:
             index = jnp.int32(0)
-            q_slot = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-            kv_mask = attention_mask
-            layer_caches = None
+            kv_mask, layer_caches = attention_mask, None
         else:
             index = cache["index"]
-            q_slot = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
             kv_mask = jax.lax.dynamic_update_slice(cache["mask"], attention_mask.astype(cache["mask"].dtype), (0, index))
             layer_caches = {"k": cache["k"], "v": cache["v"]}
-        bias = attention_mask_bias(q_slot, kv_mask)
+        q_slot = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
+        attn_in = {"full": rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+                   + (attention_mask_bias(q_slot, kv_mask),)}
+        sliding = tuple(t == "sliding" for t in cfg.layer_types) or (False,) * cfg.num_layers
+        if cfg.has_sliding_layers:
+            attn_in["sliding"] = rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta) \
+                + (attention_mask_bias(q_slot, kv_mask, cfg.sliding_window),)
 
         layer_cls = DecoderLayer
         if cfg.remat != "none":
             layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
+            # Non-uniform layers (Gemma's local/global pattern) still scan: the layer type is a scanned input.
+            flags = jnp.asarray(sliding) if cfg.has_sliding_layers else None
             stack = nn.scan(
                 layer_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, name="layers")
-            x, new_layers = stack(x, cos, sin, bias, index, layer_caches)
+            x, new_layers = stack(x, attn_in, index, layer_caches, flags)
         else:
-            outs = []
+            ks, vs = [], []
             for i in range(cfg.num_layers):
-                lc = None if layer_caches is None else jax.tree.map(lambda a: a[i], layer_caches)
-                x, nc = layer_cls(cfg, name=f"layers_{i}")(x, cos, sin, bias, index, lc)
-                outs.append(nc)
-            new_layers = None if layer_caches is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+                lc = None if layer_caches is None else {"k": layer_caches["k"][i], "v": layer_caches["v"][i]}
+                x, nc = layer_cls(cfg, name=f"layers_{i}")(x, attn_in, index, lc, sliding[i])
+                if nc is not None:
+                    ks.append(nc["k"])
+                    vs.append(nc["v"])
+            new_layers = None if layer_caches is None else {"k": tuple(ks), "v": tuple(vs)}
 
-        x = RMSNorm(cfg.rms_norm_eps, pdt, name="final_norm")(x)
+        x = _norm(cfg, "final_norm")(x)
         new_cache = None if cache is None else {**new_layers, "mask": kv_mask, "index": index + T}
+        head = None
         if not cfg.tie_word_embeddings:
             # created even with return_hidden, so init always yields the full parameter tree
             head = _param(self, "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
                           ("embed", "vocab"), pdt)
         if return_hidden:
             return x, new_cache
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = einsum("bte,ev->btv", x, head, dt, jnp.float32)
-        return sharding.constrain(logits, ("batch", "length", "act_vocab")), new_cache
+        return _logits(cfg, embed.embedding if cfg.tie_word_embeddings else None, head, x), new_cache
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
-    """Empty KV cache: k, v [L, B, S, K, D] (compute dtype by default), mask [B, S] int32 zeros, index 0."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-            "mask": jnp.zeros((batch, length), jnp.int32), "index": jnp.int32(0)}
-
+# ============================================================================================== cache, prefill, decode
 
 CACHE_LOGICAL_AXES = {
     "k": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim"),
@@ -319,3 +405,93 @@ CACHE_LOGICAL_AXES = {
     "mask": ("cache_batch", "cache_length"),
     "index": (),
 }
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
+    """Empty KV cache in the layout `CausalLM(cfg)` reads: k, v [L, B, S, K, D] when cfg.scan_layers, else L-tuples
+    of [B, S, K, D] (one buffer per layer, updated in place); mask [B, S] int32 zeros; index 0. Compute dtype by
+    default. Sliding layers keep all S slots (the window is a mask), so every layer shares one slot numbering."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.scan_layers:
+        k = v = jnp.zeros((cfg.num_layers,) + shape, dtype)
+    else:
+        k = v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return {"k": k, "v": v, "mask": jnp.zeros((batch, length), jnp.int32), "index": jnp.int32(0)}
+
+
+def constrain_cache(cache: dict) -> dict:
+    """Sharding constraints from CACHE_LOGICAL_AXES; per-layer tuples drop the leading 'layers' name."""
+    out = {}
+    for k, v in cache.items():
+        names = CACHE_LOGICAL_AXES[k]
+        if isinstance(v, (tuple, list)):
+            out[k] = tuple(sharding.constrain(a, names[1:]) for a in v)
+        else:
+            out[k] = sharding.constrain(v, names) if names else v
+    return out
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """{'layers_0': t0, ...} -> {'layers': stacked} (unscanned -> scanned layout)."""
+    if "layers" in params:
+        return params
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *[params[f"layers_{i}"] for i in range(num_layers)])
+    return out
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """{'layers': stacked} -> {'layers_0': t0, ...} (scanned -> unscanned layout). Under jit: static slices."""
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
+
+
+def layout_params(cfg: ModelConfig, params: dict) -> dict:
+    """`params` in the layer layout cfg.scan_layers asks for (a no-op when they already are)."""
+    return (stack_layers if cfg.scan_layers else unstack_layers)(params, cfg.num_layers)
+
+
+def prefill(cfg: ModelConfig, params: dict, ids: Array, mask: Array, cache_len: int) -> tuple[Array, dict]:
+    """Run left-padded prompts ids/mask [B, T] into a fresh cache of `cache_len` >= T slots.
+
+    Returns (logits of the last column [B, V] float32, cache). Only the last column goes through the LM head.
+    Positions come from the mask (left padding never shifts RoPE). `params` must be in cfg's layer layout.
+    """
+    B, _ = ids.shape
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
+    cache = constrain_cache(init_cache(cfg, B, cache_len))
+    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
+    return lm_head(cfg, params, hidden[:, -1:])[:, 0], constrain_cache(cache)
+
+
+def decode_step(cfg: ModelConfig, params: dict, tok: Array, pos: Array, cache: dict) -> tuple[Array, dict]:
+    """One decode step: tokens [B] at positions [B], written at the cache's running index -> (logits [B, V] float32,
+    cache)."""
+    one = jnp.ones_like(tok)[:, None]
+    logits, cache = CausalLM(cfg).apply({"params": params}, tok[:, None], pos[:, None], one, cache)
+    return logits[:, 0], constrain_cache(cache)
+
+
+# ============================================================================================== abstract parameters
+
+def dummy_inputs(batch: int = 1, length: int = 1) -> tuple[Array, Array, Array]:
+    """(tokens, positions, attention_mask) int32 [batch, length]: the smallest inputs `CausalLM.init` accepts."""
+    z = jnp.zeros((batch, length), jnp.int32)
+    return z, z, jnp.ones_like(z)
+
+
+@functools.lru_cache(maxsize=64)
+def abstract_boxed_params(cfg: ModelConfig):
+    """The parameter tree as ShapeDtypeStructs inside nn.LogicallyPartitioned boxes (logical axis names); no
+    allocation. Cached per config (hashable)."""
+    return jax.eval_shape(lambda: CausalLM(cfg).init(jax.random.key(0), *dummy_inputs())["params"])
+
+
+def abstract_params(cfg: ModelConfig):
+    """The parameter tree as plain ShapeDtypeStructs (unboxed): shapes and dtypes without allocating."""
+    return nn.unbox(abstract_boxed_params(cfg))

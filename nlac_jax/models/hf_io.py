@@ -1,8 +1,9 @@
 """Hugging Face checkpoint import/export: safetensors only (never pickle), no torch.
 
-The mapping between HF tensor names and our parameter paths is one declarative table (`_KEY_MAP`): each row is
-(our path, HF name, transform) where transform "T" means our array = HF weight transposed and reshaped (HF
-Linear weights are [out, in]), and "R" means reshaped only. Loading places each tensor straight into its target
+The mapping between HF tensor names and our parameter paths is the family's declarative key map
+(`models/families/`): each row is (our path, HF name, transform) where transform "T" means our array = HF weight
+transposed and reshaped (HF Linear weights are [out, in]), and "R" means reshaped only. Our shapes come from the
+model itself (`decoder.abstract_params`), so nothing here restates the architecture. Loading places each tensor straight into its target
 sharding with `jax.make_array_from_callback`, reading only the rows (layers) a device needs, so a 7B/32B model
 is never materialised whole on one host.
 """
@@ -19,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from nlac_jax.models import decoder, families
 from nlac_jax.models.config import ModelConfig
 
 # safetensors dtype names <-> numpy dtypes (bfloat16 via ml_dtypes, which jax already depends on)
@@ -26,50 +28,41 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, 
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
-# our path (per layer: relative to the layer) -> (HF name, transform)
-_LAYER_MAP = (
-    (("input_norm", "scale"), "input_layernorm.weight", "R"),
-    (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", "T"),
-    (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", "R"),
-    (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", "T"),
-    (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", "R"),
-    (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", "T"),
-    (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", "R"),
-    (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", "T"),
-    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", "R"),
-    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", "T"),
-    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", "T"),
-    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", "T"),
-)
-_TOP_MAP = (
-    (("embed", "embedding"), "model.embed_tokens.weight", "R"),
-    (("final_norm", "scale"), "model.norm.weight", "R"),
-    (("lm_head",), "lm_head.weight", "T"),
-)
-
-
 class CheckpointError(ValueError):
     """Missing/unexpected/mis-shaped tensors or unreadable files; the message names the tensor or file."""
 
 
 # ----------------------------------------------------------------------------- layout
-def _our_shapes(cfg: ModelConfig) -> dict[tuple, tuple]:
-    E, H, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                        cfg.vocab_size)
-    layer = {
-        ("input_norm", "scale"): (E,), ("post_attn_norm", "scale"): (E,),
-        ("attn", "q_proj", "kernel"): (E, H, D), ("attn", "k_proj", "kernel"): (E, K, D),
-        ("attn", "v_proj", "kernel"): (E, K, D), ("attn", "o_proj", "kernel"): (H, D, E),
-        ("mlp", "gate_proj", "kernel"): (E, F), ("mlp", "up_proj", "kernel"): (E, F),
-        ("mlp", "down_proj", "kernel"): (F, E),
-    }
-    if cfg.attention_bias:
-        layer.update({("attn", "q_proj", "bias"): (H, D), ("attn", "k_proj", "bias"): (K, D),
-                      ("attn", "v_proj", "bias"): (K, D)})
-    top = {("embed", "embedding"): (V, E), ("final_norm", "scale"): (E,)}
-    if not cfg.tie_word_embeddings:
-        top[("lm_head",)] = (E, V)
+def _our_shapes(cfg: ModelConfig) -> dict[str, dict[tuple, tuple]]:
+    """Our parameter shapes from the model itself (no allocation): {'layer': path -> shape of ONE layer (no
+    leading 'layers' axis), 'top': path -> shape}."""
+    flat = {}
+    tree = decoder.abstract_params(cfg.replace(scan_layers=True))
+
+    def walk(t, path):
+        if isinstance(t, dict):
+            for k, v in t.items():
+                walk(v, path + (k,))
+        else:
+            flat[path] = tuple(t.shape)
+    walk(tree, ())
+    layer = {p[1:]: s[1:] for p, s in flat.items() if p[0] == "layers"}
+    top = {p: s for p, s in flat.items() if p[0] != "layers"}
     return {"layer": layer, "top": top}
+
+
+def key_map(cfg: ModelConfig) -> tuple[tuple, tuple]:
+    """(top rows, layer rows) of the family's HF key map that this config has parameters for; every parameter
+    must be covered (a family file that forgets a tensor fails here, by name)."""
+    fam = families.FAMILIES[cfg.model_type]
+    shapes = _our_shapes(cfg)
+    top = tuple(r for r in fam.top_keys if r[0] in shapes["top"])
+    layer = tuple(r for r in fam.layer_keys if r[0] in shapes["layer"])
+    for kind, rows in (("top", top), ("layer", layer)):
+        missing = set(shapes[kind]) - {r[0] for r in rows}
+        if missing:
+            raise CheckpointError(f"family {fam.name!r} has no HF key for parameter(s) {sorted(missing)}")
+    return top, layer
 
 
 def _hf_shape(our_shape: tuple, transform: str, path: tuple) -> tuple:
@@ -92,14 +85,13 @@ def _ours_to_hf(a: np.ndarray, hf_shape: tuple, transform: str) -> np.ndarray:
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple, str, int | None]]:
     """HF name -> (HF shape, our path relative to its layer, transform, layer index or None)."""
     shapes = _our_shapes(cfg)
+    top, layer = key_map(cfg)
     out = {}
-    for path, name, tr in _TOP_MAP:
-        if path in shapes["top"]:
-            out[name] = (_hf_shape(shapes["top"][path], tr, path), path, tr, None)
+    for path, name, tr in top:
+        out[name] = (_hf_shape(shapes["top"][path], tr, path), path, tr, None)
     for i in range(cfg.num_layers):
-        for path, name, tr in _LAYER_MAP:
-            if path in shapes["layer"]:
-                out[f"model.layers.{i}.{name}"] = (_hf_shape(shapes["layer"][path], tr, path), path, tr, i)
+        for path, name, tr in layer:
+            out[f"model.layers.{i}.{name}"] = (_hf_shape(shapes["layer"][path], tr, path), path, tr, i)
     return out
 
 
@@ -265,6 +257,7 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, strict: bool =
 
     pdt = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     shapes = _our_shapes(cfg)
+    top_rows, layer_rows = key_map(cfg)
     params: dict = {}
 
     def place(path: tuple, global_shape: tuple, read: Callable[[tuple], np.ndarray]):
@@ -274,15 +267,11 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, strict: bool =
             return
         _set(params, path, jax.make_array_from_callback(global_shape, sh, read))
 
-    for path, name, tr in _TOP_MAP:
-        if path not in shapes["top"]:
-            continue
+    for path, name, tr in top_rows:
         our_shape = shapes["top"][path]
         place(path, our_shape, lambda idx, n=name, s=our_shape, t=tr: _hf_to_ours(ckpt.get(n), s, t)[idx].astype(pdt))
 
-    for path, name, tr in _LAYER_MAP:
-        if path not in shapes["layer"]:
-            continue
+    for path, name, tr in layer_rows:
         our_shape = shapes["layer"][path]
 
         def read_layers(idx, n=name, s=our_shape, t=tr):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nlac_jax import sharding
 from nlac_jax.models import decoder
+from nlac_jax.models.config import ModelConfig
 
 NORMALISATIONS = ("token", "sequence")
 KIND_CRITIC, KIND_POLICY = 0, 1
@@ -59,36 +59,27 @@ def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token") -> 
     return jnp.stack(coefs), stats
 
 
-def _head(params: dict, tied: bool) -> jax.Array:
-    """The LM head: embedding [V, E] when tied, else lm_head [E, V] (a bare array in CausalLM's tree)."""
-    if tied:
-        return params["embed"]["embedding"]
-    head = params["lm_head"]
-    return head["kernel"] if isinstance(head, dict) else head
-
-
-def _chunk_nll(hidden, head, labels, tied: bool, dtype):
-    """hidden [B, C, E], labels [B, C] -> nll [B, C] float32; logits exactly as the decoder computes them."""
-    # decoder.einsum: the decoder's own logits arithmetic (float32 accumulation); in bfloat16 its backward also
-    # runs bf16 x bf16 -> f32 matmuls (the float32 logits cotangent is rounded to bf16, as in mixed precision)
-    logits = decoder.einsum("bte,ve->btv" if tied else "bte,ev->btv", hidden, head, dtype, jnp.float32)
-    logits = sharding.constrain(logits, ("batch", "length", "act_vocab"))
+def _chunk_nll(cfg: ModelConfig, hidden, head, labels):
+    """hidden [B, C, E], labels [B, C] -> nll [B, C] float32. The logits come from the model's own LM head
+    (decoder.lm_head: float32 accumulation, soft-cap; in bfloat16 its backward runs bf16 x bf16 -> f32 matmuls)."""
+    logits = decoder.lm_head(cfg, head, hidden)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
     return lse - label_logit
 
 
-def token_nll(hidden: jax.Array, params: dict, labels: jax.Array, *, tied: bool, dtype, chunk: int = 0) -> jax.Array:
-    """Per-token NLL [B, T] (float32) of `labels` under logits = final hidden @ head.
+def token_nll(cfg: ModelConfig, hidden: jax.Array, params: dict, labels: jax.Array, *, chunk: int = 0) -> jax.Array:
+    """Per-token NLL [B, T] (float32) of `labels` [B, T] under the model's LM head on the final hidden [B, T, E]
+    (`CausalLM(cfg).apply(..., return_hidden=True)`).
 
     chunk > 0 and < T: the sequence is cut into chunks of `chunk` positions, scanned with a rematerialised body, so
     only [B, chunk, V] float32 logits are alive at a time, forward and backward (Qwen's 152k vocab x 4k tokens of
     float32 logits would be ~2.5 GB per row otherwise). T is padded up to a multiple of `chunk` internally.
     """
-    head = _head(params, tied)
+    head = decoder.head_params(cfg, params)
     B, T, E = hidden.shape
     if not chunk or chunk >= T:
-        return _chunk_nll(hidden, head, labels, tied, dtype)
+        return _chunk_nll(cfg, hidden, head, labels)
     n = -(-T // chunk)
     pad = n * chunk - T
     if pad:
@@ -99,7 +90,7 @@ def token_nll(hidden: jax.Array, params: dict, labels: jax.Array, *, tied: bool,
 
     @jax.checkpoint
     def body_fn(h, lab, head):
-        return _chunk_nll(h, head, lab, tied, dtype)
+        return _chunk_nll(cfg, h, head, lab)
 
     def body(carry, xs):
         return carry, body_fn(xs[0], xs[1], head)

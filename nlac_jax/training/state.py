@@ -52,8 +52,7 @@ def _as_f32(tree):
 
 def abstract_params(cfg: ModelConfig):
     """ShapeDtypeStruct tree of the float32 master parameters."""
-    boxed = models._abstract_boxed(cfg)  # noqa: SLF001 (same package family; no public unboxed abstract helper)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), nn.unbox(boxed))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), models.abstract_params(cfg))
 
 
 def state_shardings(cfg: ModelConfig, mesh, optimizer: Optimizer, rules=None) -> TrainState:
@@ -97,7 +96,7 @@ def create_train_state(cfg: ModelConfig, mesh, optimizer: Optimizer, params=None
     with sharding.use_mesh(mesh, rules):
         if params is None:
             def init(key, rng):
-                p = models.CausalLM(cfg).init(key, *models._dummy_inputs())["params"]  # noqa: SLF001
+                p = models.CausalLM(cfg).init(key, *models.dummy_inputs())["params"]
                 return _init_state(nn.unbox(p), optimizer, rng)
             return jax.jit(init, out_shardings=shard)(jax.random.key(seed), rng)
         params = jax.device_put(params, shard.params)

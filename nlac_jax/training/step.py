@@ -59,8 +59,7 @@ def _microbatch_loss(params, mb, cfg: ModelConfig, sc: StepConfig):
     """Σ coef·nll over one micro-batch: (total, [L1 part, L2 part])."""
     hidden, _ = CausalLM(cfg).apply({"params": params}, mb["input_ids"], mb["positions"], mb["attention_mask"],
                                     return_hidden=True)
-    nll = loss_lib.token_nll(hidden, params, mb["labels"], tied=cfg.tie_word_embeddings, dtype=jnp.dtype(cfg.dtype),
-                             chunk=sc.loss_chunk)
+    nll = loss_lib.token_nll(cfg, hidden, params, mb["labels"], chunk=sc.loss_chunk)
     parts = loss_lib.weighted_losses(nll, mb["coef"])
     return sc.critic_weight * parts[0] + sc.policy_weight * parts[1], parts
 
@@ -99,7 +98,7 @@ def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc:
             return (g_acc, tot_acc + tot, parts_acc + parts), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        if param_shardings is not None and sharding._ACTIVE["mesh"] is not None:  # noqa: SLF001
+        if param_shardings is not None and sharding.active_mesh() is not None:
             zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((2,), jnp.float32))
         (grads, total, parts), _ = jax.lax.scan(body, init, mbs)
