@@ -4,18 +4,42 @@ import torch
 import transformers
 
 FAMILIES = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
+
+# Gemma 3 at tiny scale: 5 layers, global every 3rd (the legacy sliding_window_pattern rule written out), a window
+# of 4 slots (shorter than the test prompts), two RoPE bases with linear scaling on the global layers.
+GEMMA3_TINY = dict(
+    head_dim=12, query_pre_attn_scalar=16, sliding_window=4,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention"],
+    num_hidden_layers=5,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+)
+# Llama 3.1's RoPE scaling with an original context short enough that all three frequency bands occur at head_dim 12
+LLAMA3_ROPE = dict(head_dim=12, rope_parameters={
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64})
 
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0, std: float = 0.15, **overrides):
     """A random tiny model of `family` saved to `out_dir` (safetensors). Weights ~ N(0, std) (large enough that
-    biases matter and argmaxes are well separated); norm scales 1 ± 0.2 so they matter too."""
+    biases matter and argmaxes are well separated); norm scales 1 ± 0.2 so they matter too (Gemma's (1 + w)
+    norms then scale by about 2: still random, still exercised)."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=131, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256)
+              num_key_value_heads=2, max_position_embeddings=256)
+    if family in ("gemma3",):
+        kw.update(GEMMA3_TINY)
+    else:
+        kw["rope_theta"] = 10000.0
     kw.update(overrides)
     cls_cfg, cls_model = FAMILIES[family]
-    hm = cls_model(cls_cfg(**kw)).eval()
+    cfg = cls_cfg(**kw)
+    cfg._attn_implementation = "eager"  # soft-caps and sliding windows as written, no kernel fallbacks
+    hm = cls_model(cfg).eval()
     with torch.no_grad():
         for name, p in hm.named_parameters():
             if "norm" in name:

@@ -5,7 +5,8 @@ Block differences from Llama, each a ModelConfig option:
 - four norms per layer: before and after attention, before and after the MLP (`sandwich_norms`);
 - gated MLP with tanh-approximated GELU (`mlp_activation='gelu_tanh'`);
 - embeddings times sqrt(hidden_size) (`embed_scale`); attention scale query_pre_attn_scalar ** -0.5;
-- optional tanh soft-caps on attention scores and final logits;
+- an optional tanh soft-cap on the final logits (`final_logit_softcapping`; an attention soft-cap is refused:
+  transformers' Gemma 3 ignores that field);
 - local sliding-window layers and global layers in a fixed pattern (`layer_types`; the legacy
   `sliding_window_pattern` N means every N-th layer is global), with two RoPE bases: `rope_local_theta` for the
   local layers, `rope_theta` (plus optional linear scaling) for the global ones.
@@ -47,6 +48,10 @@ def read_config(d: dict, source: str) -> dict:
                 "'gelu_pytorch_tanh')")
     base.refuse(bool(d.get("attention_bias")), source, "attention_bias=True on gemma3")
     base.refuse(bool(d.get("use_bidirectional_attention")), source, "use_bidirectional_attention=True")
+    # Gemma 3 replaced Gemma 2's attention soft-cap with q/k norms; transformers' Gemma 3 ignores this field, so a
+    # value here is ambiguous: refused rather than guessed.
+    base.refuse(d.get("attn_logit_softcapping") is not None, source,
+                f"attn_logit_softcapping={d.get('attn_logit_softcapping')!r} on gemma3")
     common = base.common_fields(d, source)
     rope = d.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: per layer type
@@ -62,13 +67,12 @@ def read_config(d: dict, source: str) -> dict:
     window = d.get("sliding_window")
     if "sliding" in layer_types and not window:
         raise base.ConfigError(f"{source}: sliding_window={window!r} but layer_types has sliding layers")
-    soft = {k: (None if d.get(k) is None else float(d[k]))
-            for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    final_cap = d.get("final_logit_softcapping")
     return {**common, "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)), "rope_theta": theta,
             "rope_scaling": scaling, "rope_local_theta": local_theta, "attention_bias": False, "qk_norm": True,
             "norm_offset": True, "sandwich_norms": True, "mlp_activation": "gelu_tanh", "embed_scale": True,
             "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
-            "attn_softcap": soft["attn_logit_softcapping"], "final_softcap": soft["final_logit_softcapping"],
+            "final_softcap": None if final_cap is None else float(final_cap),
             "layer_types": layer_types, "sliding_window": int(window) if window else None}
 
 
@@ -79,7 +83,7 @@ def write_config(cfg) -> dict:
         "sliding_attention": base.rope_parameters(cfg.rope_local_theta or cfg.rope_theta, ())}
     names = {"sliding": "sliding_attention", "full": "full_attention"}
     d.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, use_bidirectional_attention=False,
-             query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_softcap,
+             query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=None,
              final_logit_softcapping=cfg.final_softcap, sliding_window=cfg.sliding_window,
              layer_types=[names[t] for t in (cfg.layer_types or ("full",) * cfg.num_layers)])
     return d
