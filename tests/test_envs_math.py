@@ -9,9 +9,9 @@ import time
 import pytest
 
 from nlac_jax.envs.base import BatchedRunner
-from nlac_jax.envs.math_env import (MathEnv, MathGeneratorTaskSource, MathJsonlTaskSource, answers_equal,
-                                    extract_answer, extract_boxed, generate_problem, load_math_jsonl,
-                                    normalize_answer)
+from nlac_jax.envs.math_env import (MathEnv, MathGeneratorTaskSource, MathJsonlTaskSource, generate_problem,
+                                    load_math_jsonl)
+from nlac_jax.envs.math_grading import answers_equal, extract_answer, extract_boxed, normalize_answer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH500 = os.environ.get('NLAC_MATH500', os.path.join(REPO, '..', 'shared', 'data', 'math500', 'test.jsonl'))
@@ -216,7 +216,7 @@ def test_grader_bombs_return_fast():
     import sys
     script = (
         "import json, sys, time\n"
-        "from nlac_jax.envs.math_env import answers_equal\n"
+        "from nlac_jax.envs.math_grading import answers_equal\n"
         "answers_equal('x^2+2x+1', '(x+1)^2', use_math_verify=False)\n"  # warm-up: start the worker
         "out = []\n"
         "for a in json.loads(sys.argv[1]):\n"
@@ -234,7 +234,7 @@ def test_grader_bombs_return_fast():
 
 
 def test_bounded_parser():
-    from nlac_jax.envs.math_env import _parse_scalar
+    from nlac_jax.envs.math_grading import _parse_scalar
     assert _parse_scalar('2^{10}') == 1024 and _parse_scalar('(2^{10})^{3}') == 2 ** 30
     assert str(_parse_scalar('(x+1)^{3}')) == '(x + 1)**3'
     for bomb in ['(9^{9999})^{9999}', '9^{9^{9^9}}', '(x+1)^{9999}', 'x^{60}x^{60}', '(x+y+z)^{100}',
@@ -245,7 +245,7 @@ def test_bounded_parser():
 def test_grade_timeout_works_off_the_main_thread():
     # math-verify's own timeout is signal-based and only works on the main thread; ours works from any thread.
     import threading
-    from nlac_jax.envs.math_env import grade_answer
+    from nlac_jax.envs.math_grading import grade_answer
     assert answers_equal('x^2+2x+1', '(x+1)^2', use_math_verify=False)  # start a worker outside the timing
     out = {}
 
@@ -264,16 +264,16 @@ def test_grade_timeout_works_off_the_main_thread():
 
 def test_stuck_worker_is_killed_and_replaced():
     import signal
-    from nlac_jax.envs import math_env
-    pool = math_env._GraderPool(max_workers=1)
+    from nlac_jax.envs import math_grading
+    pool = math_grading._GraderPool(max_workers=1)
     try:
-        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_env.GradeResult(True, 'ok')
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_grading.GradeResult(True, 'ok')
         (w,) = pool._idle
         os.kill(w.proc.pid, signal.SIGSTOP)  # stuck inside one long C call: its own timer cannot fire
         t = time.perf_counter()
-        assert pool.check('x^2+2x+1', '(x+1)^2', False, 0.3) == math_env.GradeResult(False, 'timeout')
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 0.3) == math_grading.GradeResult(False, 'timeout')
         assert time.perf_counter() - t < 3.0 and w.proc.poll() is not None
-        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_env.GradeResult(True, 'ok')  # replacement
+        assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_grading.GradeResult(True, 'ok')  # replacement
     finally:
         pool.shutdown()
 

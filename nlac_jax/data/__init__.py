@@ -21,10 +21,12 @@ from typing import Optional
 
 import gin
 
+# The registry imports nothing itself; importing it runs nlac_jax.envs/__init__, which is standard library + gin
+# only (no TensorFlow, seqio, tau2 or JAX).
+from nlac_jax.envs.registry import ENV_NAMES, check_env_name
+
 SEQIO_TASK_PREFIX = 'nlac_'
-# Mirrors nlac_jax.envs.ENV_NAMES (not imported here so that this package stays import-light).
-_DEFAULT_ENV_NAMES = ('toy', 'twenty_questions', 'math', 'tau_retail', 'tau_airline')
-SEQIO_TASK_NAMES = tuple(SEQIO_TASK_PREFIX + e for e in _DEFAULT_ENV_NAMES)
+SEQIO_TASK_NAMES = tuple(SEQIO_TASK_PREFIX + e for e in ENV_NAMES)
 
 # Public names of seqio_tasks, resolved lazily by __getattr__ (importing seqio / TensorFlow on first access).
 _LAZY = ('register_seqio_tasks', 'register_task_source', 'registered_env_name', 'SeqioTaskSource',
@@ -43,9 +45,7 @@ def seqio_available() -> bool:
 
 def seqio_task_name(env_name: str) -> str:
     """The seqio Task name registered for an ``nlac_jax.envs`` env name ('math' -> 'nlac_math')."""
-    if env_name not in _DEFAULT_ENV_NAMES:
-        raise ValueError(f"unknown env_name {env_name!r}; known: {list(_DEFAULT_ENV_NAMES)}")
-    return SEQIO_TASK_PREFIX + env_name
+    return SEQIO_TASK_PREFIX + check_env_name(env_name)
 
 
 def env_name_from_seqio(name: str) -> str:

@@ -52,8 +52,9 @@ try:  # keep TF off the accelerators JAX uses (TF only runs the small input pipe
 except (RuntimeError, ValueError):  # devices already initialised, or no GPU support in this build
     pass
 
-from nlac_jax.data import SEQIO_TASK_PREFIX, _DEFAULT_ENV_NAMES  # noqa: E402
+from nlac_jax.data import SEQIO_TASK_PREFIX  # noqa: E402
 from nlac_jax.envs.base import Task, TaskSource, pass_hat_k  # noqa: E402
+from nlac_jax.envs.registry import ENV_NAMES  # noqa: E402
 
 FEATURE_KEYS = ('task_id', 'split', 'payload', 'targets')
 
@@ -225,7 +226,7 @@ def _solution_text(prediction: Any) -> str:
 
 def math_accuracy(targets: Sequence, predictions: Sequence) -> dict:
     """{'accuracy': fraction of solutions whose extracted final answer equals the reference (answers_equal)}."""
-    from nlac_jax.envs.math_env import answers_equal, extract_answer
+    from nlac_jax.envs.math_grading import answers_equal, extract_answer
     _check_lengths(targets, predictions)
     correct = 0
     for ref, pred in zip(targets, predictions):
@@ -292,7 +293,7 @@ def register_seqio_tasks(overwrite: bool = False) -> list:
     """Registers 'nlac_<env>' for every env (done on import); ``overwrite=True`` re-creates them (e.g. after gin
     bindings changed, since each Task builds its TaskSource once). Returns the names."""
     names = []
-    for env_name in _DEFAULT_ENV_NAMES:
+    for env_name in ENV_NAMES:
         name = SEQIO_TASK_PREFIX + env_name
         register_task_source(name, _env_source_fn(env_name), env_name, overwrite=overwrite)
         names.append(name)

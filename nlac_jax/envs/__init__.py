@@ -1,6 +1,7 @@
 """Environments for NLAC: the env API (``base``), tasks, and gin-configurable factories.
 
-Env names: 'toy' (guess the number), 'twenty_questions', 'math', 'tau_retail', 'tau_airline'.
+Env names (``registry.ENV_NAMES``, the one list): 'toy' (guess the number), 'twenty_questions', 'math', 'tau_retail',
+'tau_airline'.
 
     factory = make_env_factory('twenty_questions', oracle='scripted')
     envs = factory.make(8)                       # or factory(generate_fn) for model-backed oracles / users
@@ -19,13 +20,12 @@ import gin
 from nlac_jax.envs.base import (DEFAULT_MAX_ACTION_CHARS, BatchedRunner, Env, EnvBase, Episode, ListTaskSource,
                                 ModelRequest, StepResult, Task, TaskCursor, TaskSource, Transition, episode_metrics, pass_hat_k,
                                 pass_hat_k_from_episodes)
-from nlac_jax.envs.math_env import (MathEnv, MathGeneratorTaskSource, MathJsonlTaskSource, answers_equal,
-                                    extract_answer, load_math_jsonl)
+from nlac_jax.envs.math_env import MathEnv, MathGeneratorTaskSource, MathJsonlTaskSource, load_math_jsonl
+from nlac_jax.envs.math_grading import answers_equal, extract_answer
+from nlac_jax.envs.registry import ENV_NAMES, check_env_name, tau_domain
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, binary_search_policy
 from nlac_jax.envs.twenty_questions import (ModelOracle, ScriptedOracle, TwentyQuestionsEnv,
                                             TwentyQuestionsTaskSource, load_object_table, names_object)
-
-ENV_NAMES = ('toy', 'twenty_questions', 'math', 'tau_retail', 'tau_airline')
 
 __all__ = [
     'BatchedRunner', 'Env', 'EnvBase', 'Episode', 'ListTaskSource', 'ModelRequest', 'StepResult', 'Task', 'TaskCursor', 'TaskSource',
@@ -35,12 +35,6 @@ __all__ = [
     'TwentyQuestionsTaskSource', 'load_object_table', 'names_object', 'ENV_NAMES', 'EnvFactory',
     'make_env_factory', 'make_task_source', 'DEFAULT_MAX_ACTION_CHARS',
 ]
-
-
-def _check_name(env_name: str) -> str:
-    if env_name not in ENV_NAMES:
-        raise ValueError(f"unknown env_name {env_name!r}; known: {list(ENV_NAMES)}")
-    return env_name
 
 
 class EnvFactory:
@@ -53,7 +47,7 @@ class EnvFactory:
 
     def __init__(self, env_name: str, oracle: str = 'scripted', user: str = 'scripted',
                  max_turns: Optional[int] = None, object_list_path: Optional[str] = None):
-        self.env_name = _check_name(env_name)
+        self.env_name = check_env_name(env_name)
         if oracle not in ('scripted', 'model'):
             raise ValueError(f"oracle must be 'scripted' or 'model', got {oracle!r}")
         if user not in ('scripted', 'model'):
@@ -81,7 +75,8 @@ class EnvFactory:
             return TwentyQuestionsEnv(oracle, **({} if not over else {'max_questions': over['max_turns']}))
         if self.env_name == 'math':
             return MathEnv()
-        from nlac_jax.envs.tau_bench import ModelUser, ScriptedUser, TauBenchEnv
+        from nlac_jax.envs.tau_bench import TauBenchEnv
+        from nlac_jax.envs.tau_users import ModelUser, ScriptedUser
         user = ModelUser(self._need(generate_fn, 'user')) if self.user == 'model' else ScriptedUser()
         return TauBenchEnv(user, **over)
 
@@ -116,7 +111,7 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
         (``MathJsonlTaskSource``, configure its ``paths`` / ``hard_only`` in gin).
       train_split, eval_split: split names the trainer / evaluator should use.
     """
-    _check_name(env_name)
+    check_env_name(env_name)
     if env_name == 'toy':
         src = GuessNumberTaskSource()
     elif env_name == 'twenty_questions':
@@ -131,7 +126,7 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
             raise ValueError(f"make_task_source: unknown math source {kind!r}; use 'generator' or 'jsonl'")
     else:
         from nlac_jax.envs.tau_bench import TauBenchTaskSource
-        src = TauBenchTaskSource(domain=env_name[len('tau_'):])
+        src = TauBenchTaskSource(domain=tau_domain(env_name))
     for s in (train_split, eval_split):
         if s not in src.splits:
             raise ValueError(f"make_task_source({env_name!r}): split {s!r} not in {list(src.splits)}")

