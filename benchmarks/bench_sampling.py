@@ -125,7 +125,7 @@ def main(argv=None):
             pid = np.zeros((Bb, Tb), np.int32)
             pmask = np.zeros((Bb, Tb), np.int32)
             pid[:B, Tb - T:], pmask[:B, Tb - T:], pmask[B:, -1] = np.asarray(prompts, np.int32), 1, 1
-            ctl = sampling._controls(0.0, 0, 1.0, N, cfg.max_position_embeddings)
+            ctl = sampling.controls(0.0, 0, 1.0, N, cfg.max_position_embeddings)
             ti = torch.tensor(prompts)
 
             def ours_run():

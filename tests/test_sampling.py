@@ -218,7 +218,7 @@ def test_stop_strings_end_rows_independently(qwen, monkeypatch, device_check):
     _, m, _ = qwen
     tok = m.tokenizer
     if not device_check:  # a tokenizer we cannot table: the host-side check must give the same answer
-        monkeypatch.setattr(sampling, "token_bytes", lambda *a: None)
+        monkeypatch.setattr(sampling.stop_strings, "token_bytes", lambda *a: None)  # where it is looked up
     g = greedy(m).tokens
     dec = lambda ids: tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
     t0, t1 = dec(g[0, :8]), dec(g[1])

@@ -1,0 +1,93 @@
+"""In-process KV-cache sampler: every NLAC role (policy, successor M_θ̄, evaluator, refiner) samples through here.
+
+    from nlac_jax import sampling
+    out = sampling.generate(model, prompts, max_new_tokens=64, temperature=0.0, stop_token_ids=..., seed=0)
+    out.tokens [B, N] int32 (0 after the stop), out.logprobs [B, N] float32 (0 after the stop), out.lengths [B],
+    out.stop_reason list[str], out.texts list[str] (with a tokenizer)
+
+    sampler = sampling.Sampler(cfg, mesh=mesh)           # the trainer keeps one and calls it with θ or θ̄:
+    out = sampler.generate(params_theta, prompts, ...)   # same compiled functions for any params of these shapes
+
+Files
+-----
+One concern per module; this one holds only these notes and the re-exports.
+* `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate`, `GenerateOutput`,
+  `OVERFLOW_POLICIES` (argument checks, prompt encoding, context overflow, buckets and padding, output assembly).
+* `decode.py`: the compiled decode loop: `DecodeState`, `controls` (the traced settings), `prefill_impl`,
+  `decode_impl` (what a Sampler jits), `STOP_REASONS`, `TRACE_COUNTS`.
+* `forward.py`: everything that calls the model: `prefill_forward`, `decode_forward`, `layer_params`,
+  `init_layer_cache` (per-layer KV cache, LM head, cache sharding constraints).
+* `select.py`: token selection rules: `select_tokens`, `filter_logits`, `top_k_mask`, `top_p_mask`.
+* `stop_strings.py`: stop strings: `token_bytes`, `stop_string_table` (Aho-Corasick -> token-level table),
+  `device_stop_table` (cached), `host_stop_string_cut`, `cut_text`, `decode_text`.
+
+Design
+------
+* Two jitted functions per `Sampler`: `prefill` (the whole left-padded prompt batch in one call, writes the KV cache,
+  picks the first token) and `decode` (one `lax.while_loop`; one token per iteration for the whole batch; exits when
+  every row is done or the budget is spent; no host sync inside). Parameters are ARGUMENTS of both, never closed
+  over. `decode` donates its state, so the cache is updated in place.
+* Compile cache: jit's own cache, per Sampler. Static: the model config, mesh and rules (the Sampler), and the bucketed
+  shapes (batch bucket, prompt bucket, new-token bucket, number of stop-id slots, stop-string automaton size).
+  Traced (changing them never recompiles): parameter values, temperature, top_k, top_p, max_new_tokens (within its
+  bucket), stop token ids, stop-string tables (within their size bucket), the PRNG key, the prompts. Greedy is
+  `temperature <= 0`, chosen inside the compiled code by `lax.cond` (no second compilation). `TRACE_COUNTS` counts
+  traces (tests assert no retrace).
+* Layer loop: on CPU (default `layer_loop='auto'`) the sampler runs the decoder's own `DecoderLayer` modules in a
+  Python loop with a per-layer KV cache: scanned weights are sliced once per call (outside the decode loop) and each
+  layer's cache buffer is updated in place. With the decoder's `nn.scan`, XLA:CPU copies every layer's weights out
+  of the stack on every decode step (2-3x the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder (no
+  second copy of the weights in memory); `layer_loop='unrolled'|'scan'` forces either.
+* Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
+  >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
+  holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts
+  RoPE): token c of row b sits at position prompt_len[b] + c.
+* Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
+  then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
+  folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.
+  top-k and top-p never sort the vocabulary. Fast path: `lax.top_k` (a partial selection) of the 128 best logits;
+  the top-k cut-off is the k-th of them and the top-p cut-off is the first candidate whose cumulative probability
+  (normalised over the whole top-k-filtered row) reaches p. It is used only when it is provably the exact answer
+  for every row (k <= 128 and the candidates' mass reaches p); otherwise that step falls back (lax.cond) to exact
+  32-step bisections over the float32 bit patterns of the logits (order-preserving uint32 keys; one [B, V]
+  compare+reduce per step). Semantics: top-k keeps every token whose logit is >= the k-th largest (ties at the k-th
+  all kept); top-p keeps the smallest set of most-likely tokens whose probability mass reaches p (ties at the edge
+  all kept; masses are float32 sums). At least one token always survives. Nothing is computed when both filters are
+  off.
+* log-probabilities: `out.logprobs` are log π(token) under the model's UNMODIFIED distribution (temperature 1, no
+  top-k/top-p), i.e. what the trainer recomputes for the policy; 0 after the stop.
+* Stop tokens: any of `stop_token_ids`; the stop token is kept in `tokens` (and counted in `lengths`) but not in
+  `texts`. Default: the tokenizer's `text.stop_token_ids` (eos, <|im_end|>, <|endoftext|>...), else the config's eos.
+* Stop strings are detected ON DEVICE, exactly, so a row stops at the token that completes a stop string and the
+  loop exits early when all rows are done: for byte-level BPE tokenizers (Qwen2, Llama 3, SmolLM, GPT-2) the decoded
+  text is the concatenation of the tokens' bytes (special tokens decode to nothing), so an Aho-Corasick automaton over
+  the stop strings' UTF-8 bytes is precomputed on the host into a token-level table `next_state[state, token]`
+  (+ a "matched" bit) — one gather per row per step. For other tokenizers (no verified byte-level decoder) the check
+  runs on the host after generation (binary search for the shortest token prefix whose text contains a stop string;
+  exact, but no early exit). Either way: tokens up to and including the completing token are kept, `texts` are cut
+  before the stop string, and stop_reason is 'stop_string'.
+* stop_reason per row: 'stop_token', 'stop_string', 'length' (max_new_tokens reached), 'context_full' (the row
+  reached the model context, overflow='stop' only). Priority when several hold at one token: that order.
+* Context overflow (prompt + max_new_tokens > context = cfg.max_position_embeddings unless `max_context` is given):
+    overflow='truncate_left' (default): drop the oldest prompt tokens so that prompt + max_new_tokens == context;
+        `out.prompt_tokens_dropped[b]` says how many (and a warning is logged). Refused if max_new_tokens >= context.
+    overflow='error': ValueError naming the prompt, its length, max_new_tokens and the context.
+    overflow='stop': keep the prompt (refused if it alone fills the context) and end that row with 'context_full'
+        when prompt + generated reaches the context.
+"""
+
+from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
+                                      prefill_impl)
+from nlac_jax.sampling.forward import decode_forward, init_layer_cache, layer_params, prefill_forward
+from nlac_jax.sampling.sampler import OVERFLOW_POLICIES, GenerateOutput, Sampler, generate, get_sampler
+from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
+from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_table, host_stop_string_cut,
+                                            stop_string_table, token_bytes)
+
+__all__ = [
+    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES",
+    "STOP_REASONS", "TRACE_COUNTS", "DecodeState", "controls", "prefill_impl", "decode_impl", "MIN_STOP_SLOTS",
+    "prefill_forward", "decode_forward", "layer_params", "init_layer_cache",
+    "select_tokens", "filter_logits", "top_k_mask", "top_p_mask",
+    "token_bytes", "stop_string_table", "device_stop_table", "host_stop_string_cut", "cut_text", "decode_text",
+]

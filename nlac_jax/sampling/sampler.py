@@ -1,0 +1,325 @@
+"""The public host-side API: `Sampler` (compiled prefill + decode for one config and mesh), `get_sampler`, `generate`.
+
+Host work only: argument checks, prompt encoding, context-overflow policy, bucketing and padding, the stop-id and
+stop-string tables, and turning the device buffers into a `GenerateOutput` (texts cut at stops). The compiled code
+is in `decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nlac_jax import sharding
+from nlac_jax.models.config import ModelConfig
+from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
+from nlac_jax.sampling.decode import MIN_STOP_SLOTS, STOP_REASONS, controls, decode_impl, prefill_impl
+from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
+
+log = logging.getLogger(__name__)
+Array = jax.Array
+
+OVERFLOW_POLICIES = ("truncate_left", "error", "stop")
+
+_MIN_PROMPT_BUCKET = 16
+_MIN_NEW_BUCKET = 16
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """Result of one `generate` call (NumPy; B = number of prompts, N = max_new_tokens).
+
+    tokens [B, N] int32 (0 after the stop), logprobs [B, N] float32 (log π of each token under the model's unmodified
+    distribution, 0 after the stop), lengths [B] (generated tokens, stop token included), stop_reason list[str]
+    ('stop_token' | 'stop_string' | 'length' | 'context_full'), texts list[str] | None (decoded, without the stop
+    token or stop string), prompt_lengths [B] (tokens actually used), prompt_tokens_dropped [B] (truncate_left).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    stop_reason: list
+    texts: list | None = None
+    prompt_lengths: np.ndarray | None = None
+    prompt_tokens_dropped: np.ndarray | None = None
+    num_steps: int = 0  # decode positions actually run (early exit when every row is done)
+
+    def token_lists(self) -> list[list[int]]:
+        """Generated ids per row, without the masked tail."""
+        return [self.tokens[b, : self.lengths[b]].tolist() for b in range(len(self.lengths))]
+
+
+def _check_sampling_args(temperature, top_k, top_p) -> None:
+    """Refuse values the compiled filters would silently ignore or turn into garbage (top_p > 1 and top_k < 0 act
+    as 'off', a NaN temperature samples from NaN logits), naming the argument and the value."""
+    try:
+        t, p = float(temperature), float(top_p)
+    except (TypeError, ValueError):
+        raise TypeError(f"temperature={temperature!r}, top_p={top_p!r}: expected numbers") from None
+    if not (math.isfinite(t) and t >= 0.0):
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
+    if not (0.0 < p <= 1.0):  # NaN fails too
+        raise ValueError(f"top_p={top_p!r}: expected a number in (0, 1] (1 = off)")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: expected an integer >= 0 (0 = off)")
+
+
+def _as_key(seed) -> Array:
+    if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        return seed
+    if isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == np.uint32 and seed.shape == (2,):
+        return jax.random.wrap_key_data(seed)
+    seed = int(seed) % (1 << 64)  # any Python int; 64 bits kept (jax.random.key would drop the high bits)
+    if seed < (1 << 32):
+        return jax.random.key(seed)  # == threefry key data [0, seed]
+    return jax.random.wrap_key_data(np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+
+
+class Sampler:
+    """Compiled prefill + decode for one model config (and mesh). Keep one and call it with any params.
+
+        sampler = Sampler(cfg, mesh=None)
+        out = sampler.generate(params, prompts, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=3, tokenizer=tok)
+
+    `params` must have the config's shapes; with a mesh they should already be laid out by
+    `models.param_shardings(cfg, mesh)` (device_put to that layout is a no-op when they are).
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
+                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1):
+        # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
+        # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
+        # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
+        if layer_loop not in ("auto", "unrolled", "scan"):
+            raise ValueError(f"layer_loop={layer_loop!r} is not one of auto|unrolled|scan")
+        if layer_loop == "auto":
+            devs = mesh.devices.flat if mesh is not None else jax.devices()
+            layer_loop = "unrolled" if (not cfg.scan_layers or next(iter(devs)).platform == "cpu") else "scan"
+        self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
+        self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
+        self.min_batch_bucket = max(1, int(min_batch_bucket))
+        self._param_shardings = None
+        unrolled = layer_loop == "unrolled"
+        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: prefill_impl(
+            cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket, unrolled=unrolled),
+            static_argnames=("new_bucket",))
+        self.decode = jax.jit(lambda params, st, ctl: decode_impl(cfg, params, st, ctl), donate_argnums=(1,))
+
+    # ------------------------------------------------------------------ helpers
+    def _mesh_ctx(self):
+        import contextlib
+        return sharding.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+
+    @property
+    def data_parallel(self) -> int:
+        if self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+
+    def place_params(self, params):
+        """device_put params to the config's shardings on this mesh (no copy when already there)."""
+        if self.mesh is None:
+            return params
+        if self._param_shardings is None:
+            from nlac_jax import models
+            self._param_shardings = models.param_shardings(self.cfg, self.mesh, self.rules)
+        return jax.device_put(params, self._param_shardings)
+
+    def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
+        """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
+        b = bucket_length(batch, self.min_batch_bucket)
+        dp = self.data_parallel
+        b = -(-b // dp) * dp
+        return (b, bucket_length(longest_prompt, self.min_prompt_bucket),
+                bucket_length(max_new_tokens, self.min_new_bucket))
+
+    def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            raise TypeError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if tokenizer is None:
+                    raise ValueError(f"prompt {i} is a string but no tokenizer was given (pass tokenizer=)")
+                from nlac_jax import text
+                p = text.encode_text(tokenizer, p)
+            p = [int(t) for t in np.asarray(p).reshape(-1)]
+            if not p:
+                raise ValueError(f"prompt {i} is empty; the sampler needs at least one prompt token")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+            out.append(p)
+        if not out:
+            raise ValueError("generate needs at least one prompt")
+        return out
+
+    def _apply_overflow(self, prompts, max_new_tokens, context, overflow):
+        dropped = np.zeros(len(prompts), np.int32)
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow={overflow!r} is not one of {OVERFLOW_POLICIES}")
+        out = []
+        for i, p in enumerate(prompts):
+            n = len(p)
+            if n + max_new_tokens <= context:
+                out.append(p)
+            elif overflow == "error":
+                raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that is "
+                                 f"{n + max_new_tokens} > the model context of {context} tokens (overflow='error'; "
+                                 f"use overflow='truncate_left' or 'stop', or shorten the prompt)")
+            elif overflow == "truncate_left":
+                if max_new_tokens >= context:
+                    raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model context "
+                                     f"of {context} tokens (overflow='truncate_left' needs max_new_tokens < context)")
+                keep = context - max_new_tokens
+                dropped[i] = n - keep
+                log.warning("prompt %d: %d tokens + max_new_tokens=%d > context %d: dropped its first %d tokens "
+                            "(overflow='truncate_left')", i, n, max_new_tokens, context, n - keep)
+                out.append(p[n - keep:])
+            else:  # stop
+                if n >= context:
+                    raise ValueError(f"prompt {i} has {n} tokens, which fills the model context of {context} tokens: "
+                                     f"nothing can be generated (overflow='stop'; use 'truncate_left')")
+                out.append(p)
+        return out, dropped
+
+    def _stop_table(self, tokenizer, stop_strings):
+        """(device table or None, host_check) for the stop strings."""
+        if not stop_strings:
+            return None, False
+        if tokenizer is None:
+            raise ValueError(f"stop_strings={list(stop_strings)!r} need a tokenizer (pass tokenizer=)")
+        return device_stop_table(tokenizer, self.cfg.vocab_size, stop_strings)
+
+    # ------------------------------------------------------------------ main entry
+    def generate(self, params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
+                 overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
+        """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the package docstring."""
+        cfg = self.cfg
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        _check_sampling_args(temperature, top_k, top_p)
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        stop_strings = tuple(s for s in stop_strings)
+        if any(not s for s in stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+        if stop_token_ids is None:
+            if tokenizer is not None:
+                from nlac_jax import text
+                stop_token_ids = text.stop_token_ids(tokenizer)
+            else:
+                eos = cfg.eos_token_id
+                stop_token_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        elif isinstance(stop_token_ids, (int, np.integer)):
+            stop_token_ids = (int(stop_token_ids),)
+        stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        context = int(max_context if max_context is not None else cfg.max_position_embeddings)
+
+        prompts = self._encode_prompts(prompts, tokenizer)
+        prompts, dropped = self._apply_overflow(prompts, max_new_tokens, context, overflow)
+        B = len(prompts)
+        Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
+
+        ids = np.zeros((Bb, Tb), np.int32)
+        mask = np.zeros((Bb, Tb), np.int32)
+        for b, p in enumerate(prompts):
+            ids[b, Tb - len(p):] = p
+            mask[b, Tb - len(p):] = 1
+        mask[B:, -1] = 1  # filler rows: one dummy token, done from the start
+        live = np.arange(Bb) < B
+
+        stop_ids = np.full((bucket_length(len(stop_token_ids), MIN_STOP_SLOTS),), -1, np.int32)
+        stop_ids[: len(stop_token_ids)] = stop_token_ids
+        table, host_check = self._stop_table(tokenizer, stop_strings)
+        ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
+        key = _as_key(seed)
+
+        with self._mesh_ctx():
+            params = self.place_params(params)
+            if self.mesh is not None:
+                bs = sharding.named_sharding(("batch", "length"), (Bb, Tb), self.mesh, self.rules)
+                ids, mask = jax.device_put(ids, bs), jax.device_put(mask, bs)
+                live = jax.device_put(live, sharding.named_sharding(("batch",), (Bb,), self.mesh, self.rules))
+            st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
+            st = self.decode(params, st, ctl)
+            tokens, logprobs, lengths, reason, steps = jax.device_get(
+                (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
+
+        tokens = np.array(tokens[:B, :max_new_tokens])
+        logprobs = np.array(logprobs[:B, :max_new_tokens])
+        lengths = np.array(lengths[:B])
+        reasons = [STOP_REASONS[int(r)] for r in reason[:B]]
+        texts = None
+        if tokenizer is not None:
+            texts = []
+            for b in range(B):
+                n = int(lengths[b])
+                if host_check and reasons[b] != "stop_token":
+                    cut = host_stop_string_cut(tokenizer, tokens[b, :n].tolist(), stop_strings)
+                    if cut is not None:
+                        n, txt = cut
+                        tokens[b, n:] = 0
+                        logprobs[b, n:] = 0.0
+                        lengths[b] = n
+                        reasons[b] = "stop_string"
+                        texts.append(txt)
+                        continue
+                body = tokens[b, : n - 1] if reasons[b] == "stop_token" else tokens[b, :n]
+                txt = decode_text(tokenizer, body.tolist())
+                texts.append(cut_text(txt, stop_strings) if reasons[b] == "stop_string" else txt)
+        return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
+                              prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
+                              prompt_tokens_dropped=dropped, num_steps=int(steps))
+
+    __call__ = generate
+
+    def cache_sizes(self) -> dict:
+        """Compiled variants held by this Sampler's jitted functions."""
+        return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size()}
+
+
+_SAMPLERS: dict = {}
+_SAMPLERS_LOCK = threading.Lock()
+
+
+def get_sampler(cfg: ModelConfig, mesh=None, rules=None) -> Sampler:
+    """The shared Sampler for (cfg, mesh, rules): `generate` reuses its compiled functions across calls."""
+    key = (cfg, mesh, rules)
+    with _SAMPLERS_LOCK:
+        s = _SAMPLERS.get(key)
+        if s is None:
+            s = _SAMPLERS[key] = Sampler(cfg, mesh=mesh, rules=rules)
+        return s
+
+
+def generate(model_or_cfg_params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
+             mesh=None, overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
+    """Sample continuations for `prompts` from a `models.Model` (or a `(ModelConfig, params)` pair).
+
+    prompts: list of token-id lists, or of strings (needs a tokenizer: `tokenizer=` or the Model's own).
+    max_new_tokens: budget per row. temperature 0 = greedy; top_k 0 = off; top_p 1 = off. seed: int or PRNG key.
+    stop_token_ids: ids that end a row (default: the tokenizer's stop ids, else the config's eos; () = none).
+    stop_strings: strings that end a row (needs a tokenizer). mesh: run sharded (params are laid out on it).
+    overflow: 'truncate_left' | 'error' | 'stop' (package docstring). Returns a GenerateOutput.
+    """
+    if isinstance(model_or_cfg_params, tuple):
+        cfg, params = model_or_cfg_params
+    else:
+        cfg, params = model_or_cfg_params.config, model_or_cfg_params.params
+        if tokenizer is None:
+            tokenizer = getattr(model_or_cfg_params, "tokenizer", None)
+    return get_sampler(cfg, mesh).generate(
+        params, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed, tokenizer=tokenizer, overflow=overflow,
+        max_context=max_context)
