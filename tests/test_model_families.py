@@ -118,12 +118,14 @@ def test_gemma3_scanned_layers_equal_unrolled_with_grads(tmp_path):
     scanned = base.with_config(scan_layers=True, remat="full")
 
     def loss(cfg, p):
-        return models.forward(cfg, p, ids, mask).std()
-    np.testing.assert_allclose(np.asarray(scanned.logits(ids, mask)), np.asarray(base.logits(ids, mask)), atol=1e-5)
+        return (models.forward(cfg, p, ids, mask).std(-1) * mask).sum()
+    real = np.asarray(mask, bool)  # padded query rows attend to nothing: their outputs are unspecified
+    np.testing.assert_allclose(np.asarray(scanned.logits(ids, mask))[real], np.asarray(base.logits(ids, mask))[real],
+                               atol=TOL)
     g = models.unstack_layers(jax.grad(lambda p: loss(scanned.config, p))(scanned.params), base.config.num_layers)
     g_ref = jax.grad(lambda p: loss(base.config, p))(base.params)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-3)
 
 
 def _hf_greedy(hm, prompt_list, n_new):

@@ -92,8 +92,8 @@ def test_prefill_plus_decode_logits_equal_full_forward(qwen):
     mask = np.zeros((4, T), np.int32)
     for b, p in enumerate(ps):
         ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
-    pre = jax.jit(functools.partial(sampling.prefill_forward, cfg), static_argnames="cache_len")
-    step = jax.jit(functools.partial(sampling.decode_forward, cfg))
+    pre = jax.jit(functools.partial(models.prefill, cfg), static_argnames="cache_len")
+    step = jax.jit(functools.partial(models.decode_step, cfg))
     logits, cache = pre(params, ids, mask, cache_len=T + K)
     plen = mask.sum(-1)
     got, toks = [np.asarray(logits)], []

@@ -15,8 +15,7 @@ One concern per module; this one holds only these notes and the re-exports.
   `OVERFLOW_POLICIES` (argument checks, prompt encoding, context overflow, buckets and padding, output assembly).
 * `decode.py`: the compiled decode loop: `DecodeState`, `controls` (the traced settings), `prefill_impl`,
   `decode_impl` (what a Sampler jits), `STOP_REASONS`, `TRACE_COUNTS`.
-* `forward.py`: everything that calls the model: `prefill_forward`, `decode_forward`, `layer_params`,
-  `init_layer_cache` (per-layer KV cache, LM head, cache sharding constraints).
+* The model itself (`models.decoder`) owns the forward pass: `prefill`, `decode_step`, `init_cache`, `lm_head`.
 * `select.py`: token selection rules: `select_tokens`, `filter_logits`, `top_k_mask`, `top_p_mask`.
 * `stop_strings.py`: stop strings: `token_bytes`, `stop_string_table` (Aho-Corasick -> token-level table),
   `device_stop_table` (cached), `host_stop_string_cut`, `cut_text`, `decode_text`.
@@ -33,11 +32,11 @@ Design
   bucket), stop token ids, stop-string tables (within their size bucket), the PRNG key, the prompts. Greedy is
   `temperature <= 0`, chosen inside the compiled code by `lax.cond` (no second compilation). `TRACE_COUNTS` counts
   traces (tests assert no retrace).
-* Layer loop: on CPU (default `layer_loop='auto'`) the sampler runs the decoder's own `DecoderLayer` modules in a
-  Python loop with a per-layer KV cache: scanned weights are sliced once per call (outside the decode loop) and each
-  layer's cache buffer is updated in place. With the decoder's `nn.scan`, XLA:CPU copies every layer's weights out
-  of the stack on every decode step (2-3x the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder (no
-  second copy of the weights in memory); `layer_loop='unrolled'|'scan'` forces either.
+* Layer loop: a model option (`ModelConfig.scan_layers`). On CPU (default `layer_loop='auto'`) the sampler runs the
+  model with scan_layers=False: a Python loop over the same `DecoderLayer` modules with a per-layer KV cache; the
+  scanned weights are sliced once per call (outside the decode loop) and each layer's cache buffer is updated in
+  place. With `nn.scan`, XLA:CPU copies every layer's weights out of the stack on every decode step (2-3x the memory
+  traffic). On GPU/TPU 'auto' keeps the scanned decoder (no second copy of the weights in memory); `layer_loop='unrolled'|'scan'` forces either.
 * Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
   >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
   holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts
@@ -78,7 +77,6 @@ Design
 
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
-from nlac_jax.sampling.forward import decode_forward, init_layer_cache, layer_params, prefill_forward
 from nlac_jax.sampling.sampler import OVERFLOW_POLICIES, GenerateOutput, Sampler, generate, get_sampler
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
 from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_table, host_stop_string_cut,
@@ -87,7 +85,6 @@ from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_t
 __all__ = [
     "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES",
     "STOP_REASONS", "TRACE_COUNTS", "DecodeState", "controls", "prefill_impl", "decode_impl", "MIN_STOP_SLOTS",
-    "prefill_forward", "decode_forward", "layer_params", "init_layer_cache",
     "select_tokens", "filter_logits", "top_k_mask", "top_p_mask",
     "token_bytes", "stop_string_table", "device_stop_table", "host_stop_string_cut", "cut_text", "decode_text",
 ]

@@ -2,7 +2,13 @@
 
 `prefill_impl` and `decode_impl` are what a `Sampler` jits (parameters are arguments); `_record` picks each column's
 token (`select.select_tokens`), its log-probability and the row's stop flag and reason. The model is reached only
-through `forward` (prefill_forward, decode_forward, layer_params).
+through its own entry points (`models.decoder.prefill`, `models.decoder.decode_step`): the sampler drives the loop,
+the model owns the forward pass, the cache and the LM head.
+
+Layer loop: the config passed here decides it (`cfg.scan_layers`). The Sampler passes a config with
+scan_layers=False on XLA:CPU: `decoder.layout_params` then slices the scanned weights into per-layer trees ONCE per
+call, outside the while loop, and every layer's cache is its own buffer updated in place (with the scanned stack,
+XLA:CPU copies each layer's weights out of the stack on every decode step).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from jax import lax
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
-from nlac_jax.sampling.forward import decode_forward, layer_params, prefill_forward
+from nlac_jax.models import decoder
 from nlac_jax.sampling.select import select_tokens
 
 Array = jax.Array
@@ -84,11 +90,12 @@ def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
                       step=st.step + 1)
 
 
-def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int,
-                  unrolled: bool) -> DecodeState:
+def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int) -> DecodeState:
+    """Prompts ids/mask [B, T] (left-padded) -> the decode state after the first token; cache of T + new_bucket
+    slots in cfg's layer layout (params are re-laid out to it here, inside the jit)."""
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
-    logits, cache = prefill_forward(cfg, params, ids, mask, T + new_bucket, unrolled=unrolled)
+    logits, cache = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket)
 
     def batch(x, names):
         return sharding.constrain(x, names)
@@ -103,17 +110,18 @@ def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new
 
 
 def decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
+    """Decode until every row is done or the budget is spent (one `lax.while_loop`, no host sync)."""
     TRACE_COUNTS["decode"] += 1
     limit = jnp.minimum(ctl["max_new"], st.tokens.shape[1])
-    # per-layer weights sliced ONCE per call (loop invariants); inside the loop each dot reads them in place
-    layers = layer_params(cfg, params) if isinstance(st.cache["k"], tuple) else None
+    # the layer layout is computed ONCE per call (per-layer slices are loop invariants): each dot reads them in place
+    params = decoder.layout_params(cfg, params)
 
     def cond(st):
         return (st.step < limit) & ~jnp.all(st.done)
 
     def body(st):
         # feed the token of column step-1 at its position; the cache slot is the cache's own running index
-        logits, cache = decode_forward(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache, layers)
+        logits, cache = decoder.decode_step(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache)
         return _record(st.replace(cache=cache), logits, ctl)
 
     return lax.while_loop(cond, body, st)

@@ -106,11 +106,12 @@ class Sampler:
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
         self.min_batch_bucket = max(1, int(min_batch_bucket))
         self._param_shardings = None
-        unrolled = layer_loop == "unrolled"
+        # the layer loop is a model option: the compiled functions run the model with this config
+        run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
         self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: prefill_impl(
-            cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket, unrolled=unrolled),
+            run_cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket),
             static_argnames=("new_bucket",))
-        self.decode = jax.jit(lambda params, st, ctl: decode_impl(cfg, params, st, ctl), donate_argnums=(1,))
+        self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
