@@ -7,12 +7,14 @@ language Bellman backups with θ̄; policy: critique + refinement with θ) → K
 Every random choice is a function of (seed, iteration, phase), and the loop's own state (buffer, task cursor,
 iteration) is saved with θ, θ̄, the optimiser and the PRNG key, so a run killed at any moment and resumed with
 the same command ends in the same state as an uninterrupted run (on CPU).
+
+The model it trains comes from models/building.py (`build_model`, `ExternalModel`), its batches from
+text.pack_train_batches, its metrics.jsonl and summary table from metrics.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -21,12 +23,17 @@ from typing import Any
 
 import gin
 
+# At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.* and
+# ExternalModel.*, and this import is what registers them (before the files are parsed).
+from nlac_jax.metrics import MetricsWriter, summary_table
+from nlac_jax.models.building import ExternalModel, build_model
+
 log = logging.getLogger("nlac_jax.loop")
 
 PHASES = ("collect", "targets", "train", "eval")
 
 
-# ----------------------------------------------------------------------------- gin-configured pieces
+# ----------------------------------------------------------------------------- the loop's config
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
@@ -124,64 +131,6 @@ def _check_float(cfg, name: str, lo: float, hi: float | None, want: str, lo_open
     ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
     if not ok:
         raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
-
-
-@gin.configurable
-def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_dtype: str = "float32",
-                scan_layers: bool = True, remat: str = "none", hidden_size: int = 64, intermediate_size: int = 128,
-                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                model_type: str = "qwen2", tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
-                tokenizer_vocab_size: int = 512):
-    """(ModelConfig, tokenizer, HF directory or None). With `model_dir`: its config.json and tokenizer (weights are
-    loaded later, straight into their shardings); without: a random model of the given size over the tiny
-    in-process byte-level tokenizer (no downloads). A relative `model_dir` that does not exist from the current
-    directory is looked up from the repository root (gin files name shipped models, e.g. the demo's warm start)."""
-    from nlac_jax import models, text, tiny
-    run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
-    if model_dir is not None:
-        repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
-                os.path.isdir(os.path.join(repo_root, model_dir)):
-            model_dir = os.path.join(repo_root, model_dir)
-        cfg, tok = models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir)
-        models.check_tokenizer(cfg, tok, model_dir)
-        return cfg, tok, model_dir
-    tok = tiny.make_tiny_tokenizer(vocab_size=tokenizer_vocab_size)
-    cfg = models.ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden_size,
-                             intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim, model_type=model_type,
-                             attention_bias=model_type == "qwen2", tie_word_embeddings=tie_word_embeddings,
-                             max_position_embeddings=max_position_embeddings, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, **run)
-    return cfg, tok, None
-
-
-@gin.configurable
-class ExternalModel:
-    """A separate, frozen model for model-backed environment parts (20Q oracle, τ-bench user), greedy.
-
-    model_dir: HF directory (required when an env factory uses oracle='model' or user='model').
-    """
-
-    def __init__(self, model_dir: str = gin.REQUIRED, dtype: str = "bfloat16", max_new_tokens: int = 128,
-                 max_batch: int = 64):
-        from nlac_jax import models, sampling, text
-        self.model = models.load_pretrained(model_dir, dtype=dtype)
-        self.sampler = sampling.Sampler(self.model.config)
-        self.tok, self.max_new_tokens, self.max_batch = self.model.tokenizer, max_new_tokens, max_batch
-        self.stop_ids = text.stop_token_ids(self.tok)
-
-    def __call__(self, requests: list) -> list[str]:
-        """requests: plain prompt strings (sent as one user message) or chat histories -> replies."""
-        from nlac_jax import text
-        chats = [[{"role": "user", "content": r}] if isinstance(r, str) else r for r in requests]
-        ids = [text.encode_chat(self.tok, c, add_generation_prompt=True) for c in chats]
-        out = []
-        for i in range(0, len(ids), self.max_batch):
-            res = self.sampler.generate(self.model.params, ids[i:i + self.max_batch], self.max_new_tokens,
-                                        temperature=0.0, stop_token_ids=self.stop_ids, tokenizer=self.tok)
-            out.extend(res.texts)
-        return out
 
 
 # ----------------------------------------------------------------------------- prompt lengths at start-up
@@ -373,34 +322,17 @@ class NLACRun:
 
     # ------------------------------------------------------------------ one iteration
     def _pack(self, examples, rng) -> tuple[list, dict]:
-        """Token batches for this iteration's train steps, and their metrics.
-
-        Prompts were fitted by the PromptSet (their budget leaves room for the longest generated target + the
-        turn-end token), so only a target longer than the sampler could have written (e.g. a terminal summary that
-        quotes a long final observation) can overflow max_len: such examples are dropped and counted
-        (train/dropped_examples), never cut. train_steps=None: one pass (ceil(n / B) steps, the last batch padded
-        with dummy rows); an integer: that many steps cycling through the shuffled examples.
-        Metrics: train/examples (n), train/updates_per_target (example rows used / n), train/dropped_examples.
-        """
+        """Token batches for this iteration's train steps, and their metrics (`text.pack_train_batches`: examples
+        longer than max_len are dropped and counted, never cut; train_steps=None is one pass)."""
         from nlac_jax import text
         items = [text.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
-        kept = [x for x in items if len(x.prompt_ids) + len(x.target_ids) <= self.loop.max_len]
-        if len(kept) < len(items):
+        batches, m = text.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
+                                             train_steps=self.loop.train_steps,
+                                             pad_id=self.tokenizer.pad_token_id or 0)
+        if m["train/dropped_examples"]:
             log.warning("%d of %d examples are longer than LoopConfig.max_len=%d (target too long): dropped",
-                        len(items) - len(kept), len(items), self.loop.max_len)
-        order = rng.permutation(len(kept)) if kept else []
-        items = [kept[i] for i in order]
-        n, B, pad = len(items), self.loop.batch_size, self.tokenizer.pad_token_id or 0
-        batches = []
-        if n:
-            if self.loop.train_steps is None:
-                chunks = [items[s:s + B] for s in range(0, n, B)]
-            else:
-                chunks = [[items[(s * B + j) % n] for j in range(min(B, n))] for s in range(self.loop.train_steps)]
-            batches = [text.pack_examples(c, self.loop.max_len, pad_id=pad, batch_size=B) for c in chunks]
-        used = sum(b.num_examples for b in batches)
-        return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
-                         "train/dropped_examples": len(examples) - n}
+                        m["train/dropped_examples"], len(items), self.loop.max_len)
+        return batches, m
 
     def iteration(self, it: int, bars, learner=None) -> tuple[dict, str]:
         """One iteration: collect → examples → train (→ eval). `learner` (default: NLAC, see nlac/algorithm.py) picks
@@ -484,107 +416,7 @@ class NLACRun:
                                loop_state=loop_state, step=it + 1, force=force)
 
 
-# ----------------------------------------------------------------------------- logging
-class MetricsWriter:
-    """metrics.jsonl (+ TensorBoard events) in the workdir, process 0 only. On resume, lines of iterations that
-    will be re-run are dropped, so the file always holds exactly one line per finished iteration."""
-
-    def __init__(self, workdir: str, start_iteration: int, enabled: bool = True):
-        self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.tb = None
-        if not enabled:
-            return
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                # a fresh start (start_iteration 0) re-runs everything, the evaluation before training included
-                keep = [ln for ln in f if ln.strip() and start_iteration > 0
-                        and json.loads(ln).get("iteration", 0) <= start_iteration]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
-        try:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
-        except ImportError:  # optional
-            self.tb = None
-
-    def write(self, m: dict) -> None:
-        if not self.enabled:
-            return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean, sort_keys=True) + "\n")
-        if self.tb is not None:
-            for k, v in m.items():
-                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(v):
-                    self.tb.add_scalar(k, v, m["iteration"])
-            self.tb.flush()
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-
-
-SUMMARY_KEYS = (("collect/success_rate", "train success"), ("collect/mean_return", "train return"),
-                ("train/l1", "L1 critic"), ("train/l2", "L2 policy"), ("nlac/frac_optimal", "judged optimal"),
-                ("eval/success_rate", "eval success"), ("eval/mean_return", "eval return"),
-                ("eval/calib/return_mae", "calib MAE"), ("eval/verdict/accuracy", "verdict acc"),
-                ("time/collect", "t collect"), ("time/targets", "t targets"), ("time/train", "t train"),
-                ("time/eval", "t eval"))
-
-
-_EVAL_KEYS = ("eval/success_rate", "eval/mean_return", "eval/calib/return_mae", "eval/verdict/accuracy", "time/eval")
-
-
-def _why_empty(key: str, row: dict, missing: bool, eval_every: int | None) -> str:
-    """Why the summary cell of `key` in `row` shows '-' (missing) or nan (measured on nothing)."""
-    if missing:
-        if key in _EVAL_KEYS:
-            when = f" (every {eval_every} iterations and after the last: LoopConfig.eval_every)" if eval_every else ""
-            return f"no evaluation this iteration{when}"
-        if row.get("iteration") == 0:
-            return "iteration 0 is the starting policy's evaluation, before any training"
-        if key in ("train/l1", "train/l2"):
-            return "no train step this iteration (no examples)"
-        return "not measured this iteration"
-    if key == "nlac/frac_optimal":
-        return "no evaluator verdict parsed (no policy example, or every critique lacked a verdict line: " \
-               "nlac/verdict_unparsable)"
-    if key == "eval/calib/return_mae":
-        return "no successor summary had a readable 'Outcome: ...; Return: ...' line (eval/calib/parse_rate)"
-    if key == "eval/verdict/accuracy":
-        if row.get("eval/verdict/n") == 0:
-            return "no held-out action whose optimality the task knows (eval/verdict/n = 0)"
-        return "no evaluator verdict parsed on the held-out actions (eval/verdict/parse_rate)"
-    if key in ("train/l1", "train/l2"):
-        return "no finite loss (no example of this kind, or a non-finite step)"
-    return "nothing to measure this iteration"
-
-
-def summary_table(rows: list[dict], eval_every: int | None = None) -> str:
-    """A fixed-width table of the key metrics, one row per iteration, with a footnote line per reason a cell is
-    empty ('-': not measured this iteration; nan: measured on nothing), naming the columns it applies to."""
-    cols = [(k, n) for k, n in SUMMARY_KEYS if any(k in r for r in rows)]
-    head = "iter | " + " | ".join(f"{n:>14}" for _, n in cols)
-    lines = [head, "-" * len(head)]
-    notes: dict[tuple[str, str], list[str]] = {}  # (mark, reason) -> column names, in column order
-    for r in rows:
-        cells = []
-        for k, name in cols:
-            v = r.get(k)
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            cells.append(f"{v:>14.3f}" if number else f"{'-':>14}")
-            if not number or not math.isfinite(v):
-                mark = "-" if not number else "nan"
-                names = notes.setdefault((mark, _why_empty(k, r, not number, eval_every)), [])
-                if name not in names:
-                    names.append(name)
-        lines.append(f"{r['iteration']:>4} | " + " | ".join(cells))
-    for (mark, reason), names in notes.items():
-        lines.append(f"  {mark} in {', '.join(names)}: {reason}")
-    return "\n".join(lines)
-
-
+# ----------------------------------------------------------------------------- the run's files
 def finished_iterations(workdir: str) -> int | None:
     """Iterations the run in `workdir` has finished according to its latest checkpoint (the loop saves iteration
     i under step i), or None when it has none. Reads the checkpoint directory's listing only (nothing is built)."""

@@ -3,7 +3,8 @@
 The one place where text becomes token batches. `PromptFitter` is the one prompt-fitting rule (elide whole middle
 messages of the state, keep the system prompt, the task and the latest turns) used for acting and for training;
 `pack_examples` implements the token-batch contract of docs/ARCHITECTURE.md (right padded, one example per row, loss
-on target tokens only); `left_pad` prepares sampler prompts (left padded so every row's last prompt token sits in
+on target tokens only) and `pack_train_batches` cuts one iteration's examples into the train steps' batches;
+`left_pad` prepares sampler prompts (left padded so every row's last prompt token sits in
 the same column).
 """
 
@@ -526,6 +527,41 @@ def pack_examples(
         num_truncated=num_truncated,
         tokens_dropped=tokens_dropped,
     )
+
+
+def pack_train_batches(
+    examples: Sequence[Example],
+    rng: np.random.Generator,
+    *,
+    max_len: int,
+    batch_size: int,
+    train_steps: int | None,
+    pad_id: int = 0,
+) -> tuple[list[PackedBatch], dict[str, float]]:
+    """Token batches for one iteration's train steps (each a `pack_examples` batch [batch_size, T <= max_len]), and
+    their metrics.
+
+    Prompts were fitted by the PromptSet (their budget leaves room for the longest generated target + the turn-end
+    token), so only a target longer than the sampler could have written (e.g. a terminal summary that quotes a long
+    final observation) can overflow max_len: such examples are dropped and counted (train/dropped_examples), never
+    cut. The kept examples are shuffled with `rng`. train_steps=None: one pass (ceil(n / batch_size) batches, the
+    last padded with dummy rows); an integer: that many batches cycling through the shuffled examples.
+    Metrics: train/examples (n kept), train/updates_per_target (example rows used / n), train/dropped_examples.
+    """
+    kept = [x for x in examples if len(x.prompt_ids) + len(x.target_ids) <= max_len]
+    order = rng.permutation(len(kept)) if kept else []
+    items = [kept[i] for i in order]
+    n, B = len(items), batch_size
+    batches = []
+    if n:
+        if train_steps is None:
+            chunks = [items[s:s + B] for s in range(0, n, B)]
+        else:
+            chunks = [[items[(s * B + j) % n] for j in range(min(B, n))] for s in range(train_steps)]
+        batches = [pack_examples(c, max_len, pad_id=pad_id, batch_size=B) for c in chunks]
+    used = sum(b.num_examples for b in batches)
+    return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
+                     "train/dropped_examples": len(examples) - n}
 
 
 def left_pad(

@@ -110,6 +110,7 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
             _SEARCH_PATHS.add(d)
     import nlac_jax.configurables  # noqa: F401  (registers every configurable with gin)
     from nlac_jax import envs, loop
+    from nlac_jax.models import building
     from nlac_jax.nlac import targets
     try:
         gin.parse_config_files_and_bindings(files, params)
@@ -118,7 +119,7 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
         targets.TargetConfig()
         envs.make_env_factory()
         envs.make_task_source()
-        model_cfg, _, _ = loop.build_model()  # config.json + tokenizer only (weights load later, sharded)
+        model_cfg, _, _ = building.build_model()  # config.json + tokenizer only (weights load later, sharded)
         if check_mesh:
             check_mesh_fits(loop_cfg, model_cfg)
     except Exception as e:  # noqa: BLE001  gin raises ValueError/KeyError/TypeError/ParseError/... with good text

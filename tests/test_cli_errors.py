@@ -158,11 +158,12 @@ def test_every_flag_of_every_cli_has_help():
 @pytest.fixture(scope="module")
 def one_iteration_checkpoint(tmp_path_factory):
     """A workdir whose checkpoints hold iteration 1 of the demo's tiny model (saved directly, no run)."""
-    from nlac_jax import loop, sharding, train, training
+    from nlac_jax import sharding, train, training
+    from nlac_jax.models import building
     wd = tmp_path_factory.mktemp("finished")
     try:
         train.load_gin(["gin/runs/tiny_random_cpu.gin"], [])
-        cfg, _, _ = loop.build_model()
+        cfg, _, _ = building.build_model()
         mesh = sharding.make_mesh()
         opt = training.make_optimizer()
         state = training.create_train_state(cfg, mesh, opt, seed=0)

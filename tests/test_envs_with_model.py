@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from nlac_jax import envs, models, sampling
-from nlac_jax.loop import build_model
+from nlac_jax.models.building import build_model
 from nlac_jax.nlac import model_roles, prompts as prompts_lib
 from nlac_jax.rl import rollout
 

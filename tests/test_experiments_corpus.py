@@ -176,7 +176,7 @@ def test_warm_start_smoke(tmp_path):
 
     from nlac_jax import sharding
     from nlac_jax.experiments import warm_start as W
-    from nlac_jax.loop import build_model
+    from nlac_jax.models.building import build_model
 
     cfg, tok, _ = build_model(hidden_size=64, num_layers=2)
     ex = [e for e in C.toy_corpus(N, 4, seed=0) if e.role in ("policy", "refiner")][:16]

@@ -90,7 +90,7 @@ def test_one_iteration_end_to_end_8_devices(tmp_path):
 
 
 def test_metrics_writer_keeps_only_finished_rows(tmp_path):
-    from nlac_jax.loop import MetricsWriter
+    from nlac_jax.metrics import MetricsWriter
     path = tmp_path / "metrics.jsonl"
     rows = "".join(json.dumps({"iteration": i}) + "\n" for i in (0, 1, 2, 3))
     path.write_text(rows)
@@ -196,25 +196,19 @@ def test_every_run_gin_file_parses(tmp_path):
 
 
 def test_pack_one_pass_and_updates_per_target():
-    import types
-
     import numpy as np_
-    from nlac_jax import loop, tiny
+    from nlac_jax import text, tiny
 
-    class Ex:  # what targets.trainable returns, as far as packing is concerned
-        def __init__(self, i, target="Is it a cat?"):
-            self.d = {"prompt_messages": [{"role": "user", "content": f"question {i}"}], "target_text": target,
-                      "kind": i % 2, "weight": 1.0}
-
-        def to_training_dict(self):
-            return self.d
+    def ex(i, target="Is it a cat?"):  # a text.Example, as the loop builds them from the learner's examples
+        return text.chat_example(tok, [{"role": "user", "content": f"question {i}"}], target, kind=i % 2)
 
     tok = tiny.make_tiny_tokenizer()
-    examples = [Ex(i) for i in range(10)] + [Ex(99, target="word " * 300)]  # the last cannot fit max_len
-    run = types.SimpleNamespace(loop=loop.LoopConfig(train_steps=None, batch_size=4, max_len=128), tokenizer=tok)
-    batches, m = loop.NLACRun._pack(run, examples, np_.random.default_rng(0))
+    examples = [ex(i) for i in range(10)] + [ex(99, target="word " * 300)]  # the last cannot fit max_len
+    batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
+                                         train_steps=None, pad_id=tok.pad_token_id or 0)
     assert [b.num_examples for b in batches] == [4, 4, 2] and all(b.shape[0] == 4 for b in batches)
     assert m == {"train/examples": 10, "train/updates_per_target": 1.0, "train/dropped_examples": 1}
-    run.loop = loop.LoopConfig(train_steps=5, batch_size=4, max_len=128)  # explicit: cycles, reuses
-    batches, m = loop.NLACRun._pack(run, examples, np_.random.default_rng(0))
+    # explicit train_steps: cycles, reuses
+    batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
+                                         train_steps=5, pad_id=tok.pad_token_id or 0)
     assert len(batches) == 5 and m["train/updates_per_target"] == 5 * 4 / 10

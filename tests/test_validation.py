@@ -9,7 +9,7 @@ import os
 import gin
 import pytest
 
-from nlac_jax import cli, loop, models, sampling, tiny, train
+from nlac_jax import cli, loop, metrics, models, sampling, tiny, train
 from nlac_jax.nlac import targets
 
 TINY_CFG = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
@@ -189,11 +189,11 @@ def test_summary_table_explains_empty_cells():
     rows = [{"iteration": 1, "train/l1": 1.0, "nlac/frac_optimal": math.nan},
             {"iteration": 2, "train/l1": 0.5, "nlac/frac_optimal": 0.5, "eval/success_rate": 0.0,
              "eval/verdict/accuracy": math.nan, "eval/verdict/n": 0}]
-    table = loop.summary_table(rows, eval_every=2)
+    table = metrics.summary_table(rows, eval_every=2)
     notes = table.splitlines()[4:]
     assert any(n.startswith("  - in eval success, verdict acc: no evaluation this iteration") and
                "LoopConfig.eval_every" in n for n in notes), table
     assert any(n.startswith("  nan in judged optimal: no evaluator verdict parsed") for n in notes), table
     assert any(n.startswith("  nan in verdict acc:") and "eval/verdict/n = 0" in n for n in notes), table
-    full = loop.summary_table([{"iteration": 1, "train/l1": 1.0}])
+    full = metrics.summary_table([{"iteration": 1, "train/l1": 1.0}])
     assert len(full.splitlines()) == 3  # nothing empty: no footnote

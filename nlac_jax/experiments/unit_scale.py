@@ -41,8 +41,8 @@ def _progress(workdir: str, msg: str) -> None:
 # ----------------------------------------------------------------------------------------------- warm start
 def build_warm_start(workdir: str, xcfg) -> str:
     """DIR/warm_start as an HF directory (built once; a finished one is reused). Returns its path."""
-    from nlac_jax import loop
     from nlac_jax.experiments import corpus, warm_start
+    from nlac_jax.models import building
     out = os.path.join(workdir, WARM_DIR)
     if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
         _progress(workdir, f"warm start: reusing {out}")
@@ -50,7 +50,7 @@ def build_warm_start(workdir: str, xcfg) -> str:
     t0 = time.perf_counter()
     examples = corpus.toy_corpus(xcfg.n, xcfg.corpus_episodes, xcfg.corpus_seed, mix=xcfg.corpus_mix)
     stats = corpus.corpus_stats(examples)
-    model_cfg, tok, _ = loop.build_model(model_dir=None)
+    model_cfg, tok, _ = building.build_model(model_dir=None)
     history: list = []
     state = warm_start.train_warm_start(model_cfg, tok, examples, xcfg.warm_steps, xcfg.warm_batch_size,
                                         xcfg.warm_learning_rate, xcfg.warm_seed, xcfg.warm_max_len,

@@ -1,6 +1,6 @@
 """Warm start: supervised training on the scripted corpus with the project's own train step, saved as an HF dir.
 
-    cfg, tok, _ = loop.build_model(dtype="bfloat16", hidden_size=128, num_layers=4, ...)
+    cfg, tok, _ = building.build_model(dtype="bfloat16", hidden_size=128, num_layers=4, ...)
     examples = corpus.toy_corpus(100, 400, seed=0)
     state = train_warm_start(cfg, tok, examples, steps=300, batch_size=16, learning_rate=3e-3, seed=0, max_len=768)
     save_warm_start(state, cfg, tok, "runs/warm_toy")        # config.json + safetensors + tokenizer files
@@ -215,7 +215,7 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
 
 def save_warm_start(state, cfg, tokenizer, directory: str, metadata: Optional[dict] = None) -> str:
     """Write θ as an HF directory (config.json + safetensors via ``training.export_hf``), the tokenizer (with its
-    chat template) and ``warm_start.json`` (``metadata``). ``loop.build_model(model_dir=directory)`` loads it."""
+    chat template) and ``warm_start.json`` (``metadata``). ``building.build_model(model_dir=directory)`` loads it."""
     from nlac_jax import training
     os.makedirs(directory, exist_ok=True)
     training.export_hf(directory, cfg, state, which="params")
@@ -228,11 +228,11 @@ def save_warm_start(state, cfg, tokenizer, directory: str, metadata: Optional[di
 
 
 def load_warm_start(directory: str, dtype: str = "float32", mesh=None) -> tuple:
-    """(ModelConfig, tokenizer, params) from a :func:`save_warm_start` directory, through ``loop.build_model``
+    """(ModelConfig, tokenizer, params) from a :func:`save_warm_start` directory, through ``building.build_model``
     (exactly how NLACRun reads ``build_model.model_dir``)."""
     from nlac_jax import models
-    from nlac_jax.loop import build_model
     from nlac_jax.models import hf_io
+    from nlac_jax.models.building import build_model
     cfg, tok, _ = build_model(model_dir=directory, dtype=dtype, param_dtype="float32")
     shardings = models.param_shardings(cfg, mesh) if mesh is not None else None
     return cfg, tok, hf_io.load_params(directory, cfg, shardings)
@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     from nlac_jax.envs.toy import GuessNumberTaskSource
     from nlac_jax.experiments import corpus
-    from nlac_jax.loop import build_model
+    from nlac_jax.models.building import build_model
     import jax
 
     t0 = time.perf_counter()

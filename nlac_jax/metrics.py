@@ -1,0 +1,113 @@
+"""The run's metrics output: `MetricsWriter` (workdir/metrics.jsonl, one line per finished iteration, plus
+TensorBoard events when tensorboardX is installed) and `summary_table` (the fixed-width table the loop prints at
+the end, with a footnote per reason a cell is empty).
+
+Rows are flat dicts: {"iteration": i, "<phase>/<name>": number, ...} (see loop.NLACRun.iteration for the keys).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricsWriter:
+    """metrics.jsonl (+ TensorBoard events) in the workdir, process 0 only. On resume, lines of iterations that
+    will be re-run are dropped, so the file always holds exactly one line per finished iteration."""
+
+    def __init__(self, workdir: str, start_iteration: int, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tb = None
+        if not enabled:
+            return
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                # a fresh start (start_iteration 0) re-runs everything, the evaluation before training included
+                keep = [ln for ln in f if ln.strip() and start_iteration > 0
+                        and json.loads(ln).get("iteration", 0) <= start_iteration]
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+        try:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+        except ImportError:  # optional
+            self.tb = None
+
+    def write(self, m: dict) -> None:
+        """Append one row (non-finite floats become null: JSON has no NaN) and its finite scalars to TensorBoard."""
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean, sort_keys=True) + "\n")
+        if self.tb is not None:
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, m["iteration"])
+            self.tb.flush()
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+SUMMARY_KEYS = (("collect/success_rate", "train success"), ("collect/mean_return", "train return"),
+                ("train/l1", "L1 critic"), ("train/l2", "L2 policy"), ("nlac/frac_optimal", "judged optimal"),
+                ("eval/success_rate", "eval success"), ("eval/mean_return", "eval return"),
+                ("eval/calib/return_mae", "calib MAE"), ("eval/verdict/accuracy", "verdict acc"),
+                ("time/collect", "t collect"), ("time/targets", "t targets"), ("time/train", "t train"),
+                ("time/eval", "t eval"))
+
+
+_EVAL_KEYS = ("eval/success_rate", "eval/mean_return", "eval/calib/return_mae", "eval/verdict/accuracy", "time/eval")
+
+
+def _why_empty(key: str, row: dict, missing: bool, eval_every: int | None) -> str:
+    """Why the summary cell of `key` in `row` shows '-' (missing) or nan (measured on nothing)."""
+    if missing:
+        if key in _EVAL_KEYS:
+            when = f" (every {eval_every} iterations and after the last: LoopConfig.eval_every)" if eval_every else ""
+            return f"no evaluation this iteration{when}"
+        if row.get("iteration") == 0:
+            return "iteration 0 is the starting policy's evaluation, before any training"
+        if key in ("train/l1", "train/l2"):
+            return "no train step this iteration (no examples)"
+        return "not measured this iteration"
+    if key == "nlac/frac_optimal":
+        return "no evaluator verdict parsed (no policy example, or every critique lacked a verdict line: " \
+               "nlac/verdict_unparsable)"
+    if key == "eval/calib/return_mae":
+        return "no successor summary had a readable 'Outcome: ...; Return: ...' line (eval/calib/parse_rate)"
+    if key == "eval/verdict/accuracy":
+        if row.get("eval/verdict/n") == 0:
+            return "no held-out action whose optimality the task knows (eval/verdict/n = 0)"
+        return "no evaluator verdict parsed on the held-out actions (eval/verdict/parse_rate)"
+    if key in ("train/l1", "train/l2"):
+        return "no finite loss (no example of this kind, or a non-finite step)"
+    return "nothing to measure this iteration"
+
+
+def summary_table(rows: list[dict], eval_every: int | None = None) -> str:
+    """A fixed-width table of the key metrics, one row per iteration, with a footnote line per reason a cell is
+    empty ('-': not measured this iteration; nan: measured on nothing), naming the columns it applies to."""
+    cols = [(k, n) for k, n in SUMMARY_KEYS if any(k in r for r in rows)]
+    head = "iter | " + " | ".join(f"{n:>14}" for _, n in cols)
+    lines = [head, "-" * len(head)]
+    notes: dict[tuple[str, str], list[str]] = {}  # (mark, reason) -> column names, in column order
+    for r in rows:
+        cells = []
+        for k, name in cols:
+            v = r.get(k)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            cells.append(f"{v:>14.3f}" if number else f"{'-':>14}")
+            if not number or not math.isfinite(v):
+                mark = "-" if not number else "nan"
+                names = notes.setdefault((mark, _why_empty(k, r, not number, eval_every)), [])
+                if name not in names:
+                    names.append(name)
+        lines.append(f"{r['iteration']:>4} | " + " | ".join(cells))
+    for (mark, reason), names in notes.items():
+        lines.append(f"  {mark} in {', '.join(names)}: {reason}")
+    return "\n".join(lines)

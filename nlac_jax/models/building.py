@@ -1,0 +1,76 @@
+"""Models built from the run's gin config: the trained model (`build_model`) and the frozen external model of
+model-backed environment parts (`ExternalModel`: the 20Q oracle, the τ-bench user).
+
+Both are gin configurables (`build_model.*`, `ExternalModel.*` in gin/models and gin/runs). The heavy imports stay
+inside the functions: importing this module (gin files do, to register the names) builds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gin
+
+# build_model resolves relative model directories against the repository root (nlac_jax/models/building.py -> ../..)
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@gin.configurable
+def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_dtype: str = "float32",
+                scan_layers: bool = True, remat: str = "none", hidden_size: int = 64, intermediate_size: int = 128,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                model_type: str = "qwen2", tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
+                tokenizer_vocab_size: int = 512):
+    """(ModelConfig, tokenizer, HF directory or None). With `model_dir`: its config.json and tokenizer (weights are
+    loaded later, straight into their shardings); without: a random model of the given size over the tiny
+    in-process byte-level tokenizer (no downloads). A relative `model_dir` that does not exist from the current
+    directory is looked up from the repository root (gin files name shipped models, e.g. the demo's warm start).
+
+    Random model shapes: embedding [vocab_size, hidden_size] with vocab_size = len(tokenizer) rounded up to a
+    multiple of 64; num_layers layers of num_heads query / num_kv_heads key-value heads of head_dim each."""
+    from nlac_jax import models, text, tiny
+    run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
+    if model_dir is not None:
+        if not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
+                os.path.isdir(os.path.join(_REPO_ROOT, model_dir)):
+            model_dir = os.path.join(_REPO_ROOT, model_dir)
+        cfg, tok = models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir)
+        models.check_tokenizer(cfg, tok, model_dir)
+        return cfg, tok, model_dir
+    tok = tiny.make_tiny_tokenizer(vocab_size=tokenizer_vocab_size)
+    cfg = models.ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden_size,
+                             intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, model_type=model_type,
+                             attention_bias=model_type == "qwen2", tie_word_embeddings=tie_word_embeddings,
+                             max_position_embeddings=max_position_embeddings, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, **run)
+    return cfg, tok, None
+
+
+@gin.configurable
+class ExternalModel:
+    """A separate, frozen model for model-backed environment parts (20Q oracle, τ-bench user), greedy.
+
+    model_dir: HF directory (required when an env factory uses oracle='model' or user='model').
+    """
+
+    def __init__(self, model_dir: str = gin.REQUIRED, dtype: str = "bfloat16", max_new_tokens: int = 128,
+                 max_batch: int = 64):
+        from nlac_jax import models, sampling, text
+        self.model = models.load_pretrained(model_dir, dtype=dtype)
+        self.sampler = sampling.Sampler(self.model.config)
+        self.tok, self.max_new_tokens, self.max_batch = self.model.tokenizer, max_new_tokens, max_batch
+        self.stop_ids = text.stop_token_ids(self.tok)
+
+    def __call__(self, requests: list) -> list[str]:
+        """requests: plain prompt strings (sent as one user message) or chat histories -> replies (one per request,
+        at most max_new_tokens tokens each; generated in chunks of max_batch prompts)."""
+        from nlac_jax import text
+        chats = [[{"role": "user", "content": r}] if isinstance(r, str) else r for r in requests]
+        ids = [text.encode_chat(self.tok, c, add_generation_prompt=True) for c in chats]
+        out = []
+        for i in range(0, len(ids), self.max_batch):
+            res = self.sampler.generate(self.model.params, ids[i:i + self.max_batch], self.max_new_tokens,
+                                        temperature=0.0, stop_token_ids=self.stop_ids, tokenizer=self.tok)
+            out.extend(res.texts)
+        return out
