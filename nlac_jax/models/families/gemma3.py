@@ -76,6 +76,10 @@ def read_config(d: dict, source: str) -> dict:
             "layer_types": layer_types, "sliding_window": int(window) if window else None}
 
 
+def _int_if_whole(x):
+    return int(x) if x is not None and float(x).is_integer() else x  # transformers' strict config wants an int
+
+
 def write_config(cfg) -> dict:
     d = base.common_hf_dict(cfg, FAMILY)
     d["rope_parameters"] = {
@@ -83,7 +87,7 @@ def write_config(cfg) -> dict:
         "sliding_attention": base.rope_parameters(cfg.rope_local_theta or cfg.rope_theta, ())}
     names = {"sliding": "sliding_attention", "full": "full_attention"}
     d.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, use_bidirectional_attention=False,
-             query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=None,
+             query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar), attn_logit_softcapping=None,
              final_logit_softcapping=cfg.final_softcap, sliding_window=cfg.sliding_window,
              layer_types=[names[t] for t in (cfg.layer_types or ("full",) * cfg.num_layers)])
     return d
