@@ -55,7 +55,12 @@ log = logging.getLogger(__name__)
 # (remat, token ids and the context length change neither).
 FINGERPRINT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                       "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "rope_theta",
-                      "rms_norm_eps", "param_dtype", "dtype", "scan_layers")
+                      "rms_norm_eps", "param_dtype", "dtype", "scan_layers",
+                      # the family's block options (models/config.py); a step written before they existed lacks
+                      # them and is compared on the fields it has
+                      "qk_norm", "norm_offset", "sandwich_norms", "mlp_activation", "embed_scale",
+                      "query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_scaling", "layer_types",
+                      "sliding_window", "rope_local_theta")
 
 # read-back verification restores at most this many bytes (global) at a time, so it never doubles device memory
 VERIFY_GROUP_BYTES = 2 << 30
