@@ -111,11 +111,13 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
     import nlac_jax.configurables  # noqa: F401  (registers every configurable with gin)
     from nlac_jax import envs, loop
     from nlac_jax.nlac import targets
+    from nlac_jax.roles import RoleSampling
     try:
         gin.parse_config_files_and_bindings(files, params)
         # build the cheap configurables once: a missing %gin.REQUIRED or a bad value fails here, not mid-run
         loop_cfg = loop.LoopConfig()
         targets.TargetConfig()
+        RoleSampling()
         envs.make_env_factory()
         envs.make_task_source()
         model_cfg, _, _ = loop.build_model()  # config.json + tokenizer only (weights load later, sharded)
