@@ -8,7 +8,7 @@ calls), every role prompt is rendered for the initial state with the short dummy
 (`nlac_jax.loop.initial_role_prompts`), and the largest rendered chat (characters) and its token count are printed.
 This is exactly the part of a prompt that fitting can never elide (system prompt + first user message).
 
-Then each gin/runs/*.gin is read (its LoopConfig.max_len, nlac.TargetConfig.max_new_tokens and task include) and
+Then each gin/runs/*.gin is read (its LoopConfig.max_len, nlac.RoleSampling.max_new_tokens and task include) and
 checked like the loop's start-up check: a role needs prompt tokens + the longest target it is trained on + 1.
 Counts are for the given tokenizer: the tiny one has few merges, so it spends far more tokens per character than
 a real model's (Qwen2.5: about 3.5-4 characters per token on English text).
@@ -46,15 +46,15 @@ def measure(task: str, tokenizer, n_tasks: int) -> dict[str, tuple[int, int]]:
 
 def read_run_file(path: str) -> dict:
     """The values the check needs from a run gin file (plain regexes: the 7B files need MODEL_DIR for gin)."""
-    from nlac_jax.nlac.targets import TargetConfig
+    from nlac_jax.roles import RoleSampling
     src = open(path, encoding="utf-8").read()
     task = re.search(r"include\s+'gin/tasks/(\w+)\.gin'", src)
     max_len = re.search(r"^LoopConfig\.max_len\s*=\s*(\d+)", src, re.MULTILINE)
-    mnt = re.search(r"^nlac\.TargetConfig\.max_new_tokens\s*=\s*(\{[^}]*\})", src, re.MULTILINE)
+    mnt = re.search(r"^nlac\.RoleSampling\.max_new_tokens\s*=\s*(\{[^}]*\})", src, re.MULTILINE)
     return {
         "task": task.group(1) if task else None,
         "max_len": int(max_len.group(1)) if max_len else None,
-        "max_new_tokens": ast.literal_eval(mnt.group(1)) if mnt else TargetConfig().max_new_tokens,
+        "max_new_tokens": ast.literal_eval(mnt.group(1)) if mnt else RoleSampling().max_new_tokens,
     }
 
 

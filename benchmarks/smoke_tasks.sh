@@ -15,7 +15,7 @@ for t in $tasks; do
     --gin_param="LoopConfig.train_steps=1" --gin_param="LoopConfig.eval_episodes=2" \
     --gin_param="LoopConfig.calibration_transitions=2" --gin_param="LoopConfig.max_len=1024" \
     --gin_param="LoopConfig.max_turns=2" \
-    --gin_param="nlac.TargetConfig.max_new_tokens={'policy': 8, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 8}" \
+    --gin_param="nlac.RoleSampling.max_new_tokens={'policy': 8, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 8}" \
     "${extra[@]}" > "runs/smoke_$t.log" 2>&1
   echo "$t rc=$? $(grep 'wall time' "runs/smoke_$t.log")"
 done

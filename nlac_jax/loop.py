@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -53,11 +52,11 @@ class LoopConfig:
     eval_before_training: evaluate the starting policy before the first iteration (metrics row ``iteration`` 0, the
       summary table's first line; skipped on resume, where the row is already written), so a run from a warm start
       shows where it began. eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
-      there are fewer tasks than episodes);
-      eval_temperature: 0 = greedy; calibration_transitions: (s, a) pairs for the critic diagnostics.
+      there are fewer tasks than episodes); calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
     sampler_max_batch: prompts per sampler call; sampler_min_batch: calls are padded to at least this many rows
-      (fewer shapes to compile: rollouts' shrinking batches share one executable); top_p: nucleus for every role.
+      (fewer shapes to compile: rollouts' shrinking batches share one executable).
+    Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
     seqio_task: read the tasks through this registered seqio Task (e.g. 'nlac_math', needs requirements-seqio.txt;
@@ -77,13 +76,11 @@ class LoopConfig:
     eval_before_training: bool = False
     eval_every: int = 2
     eval_episodes: int = 8
-    eval_temperature: float = 0.0
     calibration_transitions: int = 8
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     sampler_max_batch: int = 64
     sampler_min_batch: int = 16
-    top_p: float = 1.0
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
@@ -102,8 +99,6 @@ class LoopConfig:
             _check_int(self, name, 0)
         for name in ("max_turns", "train_steps", "keep_checkpoints"):  # None: no limit / one pass / keep all
             _check_int(self, name, 1, none_ok=True)
-        _check_float(self, "eval_temperature", 0.0, None, "a finite number >= 0 (0 = greedy)")
-        _check_float(self, "top_p", 0.0, 1.0, "a number in (0, 1] (1 = off)", lo_open=True)
         for name in ("export_hf", "eval_before_training"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LoopConfig.{name} = {getattr(self, name)!r}: expected True or False")
@@ -123,14 +118,6 @@ def _check_int(cfg, name: str, lo: int, none_ok: bool = False) -> None:
         raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
 
 
-def _check_float(cfg, name: str, lo: float, hi: float | None, want: str, lo_open: bool = False) -> None:
-    """`cfg.name` must be a finite real in the range; the error names LoopConfig.<name> and the value."""
-    v = getattr(cfg, name)
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise TypeError(f"LoopConfig.{name} = {v!r}: expected {want}")
-    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
-    if not ok:
-        raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
 
 
 # ----------------------------------------------------------------------------- prompt lengths at start-up
@@ -223,11 +210,13 @@ class NLACRun:
         from nlac_jax.models import hf_io
         from nlac_jax.nlac import algorithm, model_roles, prompts as prompts_lib, targets
         from nlac_jax.rl import ReplayBuffer
+        from nlac_jax.roles import RoleSampling
 
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.loop = LoopConfig()
         self.target_cfg = targets.TargetConfig()
+        self.sampling = RoleSampling()  # how every role is sampled, for acting, targets and evaluation alike
         self.env_factory = envs.make_env_factory()
         self.env_name = self.env_factory.env_name
         self.task_source = self._task_source()
@@ -279,8 +268,7 @@ class NLACRun:
         self.roles = model_roles.ModelRoleSampler(
             self.sampler, self.tokenizer,
             get_params=lambda which: holder.state.params if which == "policy" else holder.state.target_params,
-            temperatures=self.target_cfg.temperatures, max_new_tokens=self.target_cfg.max_new_tokens,
-            top_p=self.loop.top_p, max_batch=self.loop.sampler_max_batch, seed=self.loop.seed)
+            settings=self.sampling, max_batch=self.loop.sampler_max_batch, seed=self.loop.seed)
         needs_model = (self.env_name == "twenty_questions" and self.env_factory.oracle == "model") or \
             (self.env_name.startswith("tau_") and self.env_factory.user == "model")
         generate_fn = ExternalModel() if needs_model else None
@@ -302,7 +290,7 @@ class NLACRun:
                              f"{context}); lower LoopConfig.max_len")
         if self.loop.train_steps is not None and self.loop.train_steps < 1:
             raise ValueError(f"LoopConfig.train_steps must be >= 1 or None (one pass), got {self.loop.train_steps}")
-        budgets = prompts_lib.prompt_budgets(max_len, self.target_cfg.max_new_tokens)
+        budgets = prompts_lib.prompt_budgets(max_len, self.sampling.max_new_tokens)
         self.fitter = text.PromptFitter(self.tokenizer, budgets, max_len=max_len)
         self.prompts.fitter = self.fitter
         states = initial_states(self.env_factory, self.task_source)
@@ -338,6 +326,7 @@ class NLACRun:
         """One iteration: collect → examples → train (→ eval). `learner` (default: NLAC, see nlac/algorithm.py) picks
         the iteration's tasks and turns its episodes into training examples. Returns (metrics, example dump)."""
         from nlac_jax.envs.base import episode_metrics
+        from nlac_jax.nlac import evaluation
         from nlac_jax.rl import rollout
         np, loop, m = self._np, self.loop, {"iteration": it + 1}
         learner = learner or self.learner
@@ -348,7 +337,7 @@ class NLACRun:
         self.fitter.reset_counters()
         bars("collect")
         tasks = learner.take_tasks(self, loop.episodes_per_iteration)
-        episodes, transitions = rollout.collect(self.envs, tasks, rollout.make_policy_fn(self.roles, self.prompts),
+        episodes, transitions = rollout.collect(self.envs, tasks, evaluation.make_policy_fn(self.roles, self.prompts),
                                                 task_name=self.env_name, max_turns=loop.max_turns)
         m.update({f"collect/{k}": v for k, v in episode_metrics(episodes).items()})
         m.update(self.roles.counters.as_dict("collect/gen/"))
@@ -396,13 +385,13 @@ class NLACRun:
         return m, dump
 
     def evaluate(self, it: int, bars=lambda phase: None, params: str = "policy") -> dict:
-        from nlac_jax.rl import rollout
+        from nlac_jax.nlac import evaluation
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(self.loop.seed, it, "eval"))
         self.fitter.reset_counters()
         bars("eval")
-        m, _ = rollout.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
-                                params=params, temperature=self.loop.eval_temperature,
+        m, _ = evaluation.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
+                                params=params,
                                 calibration_transitions=self.loop.calibration_transitions,
                                 max_turns=self.loop.max_turns)
         m.update(self.fitter.reset_counters().as_dict("eval/prompt/"))

@@ -179,7 +179,7 @@ def chat_example(
 # message), i.e. it sits exactly where the elided messages were, visible to the model in every role.
 
 ELISION_MARKER = "[... {n} earlier messages omitted to fit the context ...]"
-FIT_HINT = "raise LoopConfig.max_len or lower nlac.TargetConfig.max_new_tokens"
+FIT_HINT = "raise LoopConfig.max_len or lower nlac.RoleSampling.max_new_tokens"
 
 
 class PromptTooLongError(ValueError):

@@ -112,11 +112,13 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
     from nlac_jax import envs, loop
     from nlac_jax.models import building
     from nlac_jax.nlac import targets
+    from nlac_jax.roles import RoleSampling
     try:
         gin.parse_config_files_and_bindings(files, params)
         # build the cheap configurables once: a missing %gin.REQUIRED or a bad value fails here, not mid-run
         loop_cfg = loop.LoopConfig()
         targets.TargetConfig()
+        RoleSampling()
         envs.make_env_factory()
         envs.make_task_source()
         model_cfg, _, _ = building.build_model()  # config.json + tokenizer only (weights load later, sharded)

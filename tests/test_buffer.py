@@ -7,7 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from nlac_jax.rl import ReplayBuffer, Transition, next_observation, rng_from_seed, transitions_from_episode
+from nlac_jax.envs.transition import Transition, next_observation
+from nlac_jax.rl import ReplayBuffer, rng_from_seed, transitions_from_episode
 
 
 def make_t(i: int, done: bool = False) -> Transition:
@@ -187,15 +188,14 @@ def test_transitions_from_runner_tuples():
 
 
 def test_transitions_from_runner_objects():
-    """The runner's shape: objects with state_messages / next_state_messages, Episode.total_return."""
+    """The runner's shape: the runner's own Transitions (no episode_return / task yet), Episode.total_return."""
     chat = _chat()
-    Step = types.SimpleNamespace
     ep = types.SimpleNamespace(
         task=types.SimpleNamespace(id="t1"),  # a Task object, not a prompt-set name: ignored
         total_return=0.75, success=True,
         transitions=[
-            Step(state_messages=chat[:4], action="Is it alive?", reward=-0.25, next_state_messages=chat[:6], done=False, info={}),
-            Step(state_messages=chat[:6], action="Is it a dog?", reward=1.0, next_state_messages=chat, done=True, info={}),
+            Transition(chat[:4], "Is it alive?", -0.25, chat[:6], False, {}),
+            Transition(chat[:6], "Is it a dog?", 1.0, chat, True, {}),
         ],
     )
     ts = transitions_from_episode(ep, task="twenty_questions")

@@ -361,7 +361,7 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = ["LoopConfig.iterations = 1", "LoopConfig.max_len = 640",
-            "nlac.TargetConfig.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, "
+            "nlac.RoleSampling.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, "
             "'refiner': 4}"]
     wd = str(tmp_path / "run")
     gin.add_config_file_search_path(repo)

@@ -50,10 +50,10 @@ def mismatched_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("param,needles", [
     ("LoopConfig.iterations = 'four'", ["LoopConfig.iterations = 'four'", "integer >= 1"]),
     ("LoopConfig.iterations = -3", ["LoopConfig.iterations = -3"]),
-    ("LoopConfig.top_p = 1.5", ["LoopConfig.top_p = 1.5", "(0, 1]"]),
-    ("LoopConfig.eval_temperature = -1.0", ["LoopConfig.eval_temperature = -1.0"]),
-    ("nlac.TargetConfig.max_new_tokens = {'policy': 0}", ["TargetConfig.max_new_tokens['policy'] = 0"]),
-    ("nlac.TargetConfig.temperatures = {'policy': 1e999}", ["TargetConfig.temperatures['policy'] = inf"]),
+    ("nlac.RoleSampling.top_p = 1.5", ["RoleSampling.top_p = 1.5", "(0, 1]"]),
+    ("nlac.RoleSampling.eval_temperature = -1.0", ["RoleSampling.eval_temperature = -1.0"]),
+    ("nlac.RoleSampling.max_new_tokens = {'policy': 0}", ["RoleSampling.max_new_tokens['policy'] = 0"]),
+    ("nlac.RoleSampling.temperatures = {'policy': 1e999}", ["RoleSampling.temperatures['policy'] = inf"]),
     ("LoopConfig.batch_size = 6", ["LoopConfig.batch_size = 6", "data-parallel size 8"]),
     ("LoopConfig.iteratons = 3", ["iteratons"]),
 ])
@@ -92,8 +92,8 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_evaluate_usage_errors(tmp_path):
     _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}/nope"), 2, "--checkpoint", "no such directory")
     _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}", "--params=theta"), 2, "--params", "'theta'")
-    _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}", "--gin_param=LoopConfig.top_p = 2"), 2,
-              "LoopConfig.top_p = 2")
+    _one_line(_run("nlac_jax.evaluate", DEMO, f"--checkpoint={tmp_path}", "--gin_param=nlac.RoleSampling.top_p = 2"), 2,
+              "RoleSampling.top_p = 2")
 
 
 @pytest.mark.parametrize("flag,needle", [

@@ -39,15 +39,15 @@ def test_batched_runner_mixed_lengths_and_transitions():
             assert tr.done == (t == e.length - 1)
             assert tr.reward == (1.0 if t == e.length - 1 else 0.0)
             # s_{t+1} = s_t + [a_t, o_t]; s_{t+1} of step t is s_t of step t+1
-            assert tr.next_state_messages[:len(tr.state_messages)] == tr.state_messages
-            assert tr.next_state_messages[len(tr.state_messages)] == {'role': 'assistant', 'content': tr.action}
-            assert tr.next_state_messages[-1]['role'] == 'user'
+            assert tr.next_state[:len(tr.state)] == tr.state
+            assert tr.next_state[len(tr.state)] == {'role': 'assistant', 'content': tr.action}
+            assert tr.next_state[-1]['role'] == 'user'
             if t + 1 < e.length:
-                assert e.transitions[t + 1].state_messages == tr.next_state_messages
-        assert e.transitions[-1].next_state_messages == e.messages
-        assert e.transitions[0].state_messages[0]['role'] == 'system'
+                assert e.transitions[t + 1].state == tr.next_state
+        assert e.transitions[-1].next_state == e.messages
+        assert e.transitions[0].state[0]['role'] == 'system'
     assert [e.num_errors for e in eps] == [0, 0, 0, 1, 0]
-    assert eps[3].transitions[0].info['error'] and eps[3].transitions[0].next_state_messages[-1][
+    assert eps[3].transitions[0].info['error'] and eps[3].transitions[0].next_state[-1][
         'content'].startswith('Error')
     m = envs.episode_metrics(eps)
     assert m['success_rate'] == 1.0 and m['mean_length'] == pytest.approx(17 / 5)
@@ -186,7 +186,7 @@ def test_runner_turns_env_exceptions_into_error_episodes(caplog):
     assert last.info['env_error'] and last.info['truncated'] and last.done is False
     assert last.info['env_exception'].startswith('RecursionError: maximum recursion')
     assert len(last.info['env_exception']) < 300  # the 5000-character message is cut
-    assert last.next_state_messages[-1]['content'].startswith('Error: the environment failed on this action')
+    assert last.next_state[-1]['content'].startswith('Error: the environment failed on this action')
     broken = eps[2]  # reset raised: an empty episode, and the env took the next task
     assert broken.env_exceptions == 1 and broken.length == 0 and broken.info['env_error']
     assert broken.info['env_error_where'] == '_FlakyEnv.reset'

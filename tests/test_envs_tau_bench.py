@@ -283,7 +283,7 @@ def test_batched_runner_and_pass_k(retail):
     assert [e.success for e in eps] == [True, False, True]
     assert [e.length for e in eps] == [len(scripts[0]), 1, len(scripts[2])]
     tool_tr = eps[0].transitions[0]
-    assert tool_tr.action.startswith('<tool_call>') and '<tool_response>' in tool_tr.next_state_messages[-1]['content']
+    assert tool_tr.action.startswith('<tool_call>') and '<tool_response>' in tool_tr.next_state[-1]['content']
     assert envs.pass_hat_k_from_episodes(eps, 1) == pytest.approx((0.5 + 1.0) / 2)
     assert envs.pass_hat_k_from_episodes(eps[:2], 2) == 0.0
 

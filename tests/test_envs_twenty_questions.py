@@ -150,7 +150,7 @@ def test_batched_runner_20q(table, oracle):
     assert [e.num_errors for e in eps] == [0, 0, 0, 1]
     tr = eps[1].transitions[1]
     assert tr.action == 'Is it a vehicle?' and tr.reward == -1 and not tr.done
-    assert tr.next_state_messages[-1] == {'role': 'user', 'content': YES}
+    assert tr.next_state[-1] == {'role': 'user', 'content': YES}
     assert eps[1].transitions[-1].done and eps[1].transitions[-1].reward == 0
 
 
@@ -174,8 +174,8 @@ def test_model_oracle_requests_are_batched_across_episodes(table):
     # turn 1: three questions in ONE call; turn 2: cat guesses (no model call) -> 2 prompts; turn 3: car guesses
     assert [len(b) for b in batches] == [3, 2, 1]
     assert [e.length for e in eps] == [2, 3, 4] and all(e.success for e in eps)
-    assert eps[0].transitions[0].next_state_messages[-1]['content'] == YES
-    assert eps[1].transitions[0].next_state_messages[-1]['content'] == NO
+    assert eps[0].transitions[0].next_state[-1]['content'] == YES
+    assert eps[1].transitions[0].next_state[-1]['content'] == NO
     # the unbatched path gives the same answers
     env = TwentyQuestionsEnv(oracle)
     env.reset(tasks[0])

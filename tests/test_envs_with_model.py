@@ -10,8 +10,9 @@ import pytest
 
 from nlac_jax import envs, models, sampling
 from nlac_jax.models.building import build_model
-from nlac_jax.nlac import model_roles, prompts as prompts_lib
+from nlac_jax.nlac import evaluation, model_roles, prompts as prompts_lib
 from nlac_jax.rl import rollout
+from nlac_jax.roles import RoleSampling
 
 HAVE_TAU = importlib.util.find_spec("tau2") is not None
 
@@ -22,7 +23,8 @@ def roles():
     m = models.random_model(cfg, seed=0)
     sampler = sampling.Sampler(cfg)
     r = model_roles.ModelRoleSampler(sampler, tok, get_params=lambda which: m.params,
-                                     temperatures={"policy": 1.0}, max_new_tokens={"policy": 12}, seed=0)
+                                     settings=RoleSampling(temperatures={"policy": 1.0}, max_new_tokens={"policy": 12}),
+                                     seed=0)
     r.start_phase(0)
     return r
 
@@ -47,7 +49,7 @@ def test_env_runs_with_tiny_model(roles, name, kw):
     source = envs.make_task_source(name)
     tasks = source.tasks(source.train_split)[:3]
     pool = factory.make(2, _oracle_fn(roles))
-    policy = rollout.make_policy_fn(roles, prompts_lib.PromptSet(task=name))
+    policy = evaluation.make_policy_fn(roles, prompts_lib.PromptSet(task=name))
     episodes, transitions = rollout.collect(pool, tasks, policy, task_name=name, max_turns=3)
     assert len(episodes) == 3 and all(1 <= ep.length <= 3 for ep in episodes)
     assert len(transitions) == sum(ep.length for ep in episodes)

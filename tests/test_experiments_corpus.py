@@ -152,7 +152,7 @@ def test_behaviour_policy_between_zero_and_bisection():
 def test_agrees_with_nlac_target_builder():
     """The corpus's successor / backup examples are exactly what build_critic_examples produces when the roles
     answer like the scripted experts: same prompts (the sampler looks them up) and same targets."""
-    from nlac_jax.nlac.roles import ScriptedRoleSampler
+    from nlac_jax.roles import ScriptedRoleSampler
     from nlac_jax.nlac.targets import build_critic_examples
 
     tasks = GuessNumberTaskSource(N).tasks("train")[7:8]
@@ -227,7 +227,7 @@ def test_20q_bank_matches_the_oracle(tq):
 
 
 def test_20q_corpus_train_only_deterministic_and_consistent(tq):
-    from nlac_jax.nlac.roles import ScriptedRoleSampler
+    from nlac_jax.roles import ScriptedRoleSampler
     from nlac_jax.nlac.targets import build_critic_examples
     Q, source, ex = tq
     assert _key(Q.twenty_questions_corpus(6, seed=1, task_source=source)) == _key(ex)

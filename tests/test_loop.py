@@ -26,7 +26,7 @@ TINY = [
     "LoopConfig.eval_episodes = 2",
     "LoopConfig.calibration_transitions = 2",
     "LoopConfig.max_len = 640",  # the toy evaluator prompt needs ~541 tiny-tokenizer tokens (start-up check)
-    "nlac.TargetConfig.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
+    "nlac.RoleSampling.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
 ]
 
 REQUIRED_METRICS = [

@@ -1,4 +1,4 @@
-"""The RoleSampler interface (nlac_jax.nlac.roles), the trainer's ModelRoleSampler and rollout's call sites.
+"""The RoleSampler interface (nlac_jax.roles), the trainer's ModelRoleSampler and rollout's call sites.
 
 What matters here is that every completion carries its stop reason from the sampler to NLAC's target builder,
 so a text cut off at its token budget can be refused as a training target.
@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from nlac_jax import text, tiny
-from nlac_jax.envs.base import EnvBase, Episode, Task, Transition
-from nlac_jax.nlac import prompts as P
+from nlac_jax.envs.base import EnvBase, Episode, StepResult, Task, Transition
+from nlac_jax.nlac import evaluation, prompts as P
 from nlac_jax.nlac.model_roles import ModelRoleSampler
-from nlac_jax.nlac.roles import Completion, RoleSampler, ScriptedRoleSampler, check_samples, group, texts
-from nlac_jax.rl import rollout
+from nlac_jax.roles import Completion, RoleSampler, RoleSampling, ScriptedRoleSampler, check_samples, group, texts
 
 PS = P.PromptSet()
 CHAT = [{"role": "user", "content": "Hello?"}]
@@ -40,10 +39,12 @@ def test_scripted_sampler_returns_completions_with_scripted_stop_reasons():
     assert isinstance(s, RoleSampler)
     assert s.sample([CHAT], "policy", "a") == [Completion("plain", "stop_token")]
     assert s.sample([CHAT, CHAT], "target", "b") == [Completion("one"), cut]
-    out = s.sample([CHAT], "policy", "c", n=2, temperature=0.0)
+    greedy = RoleSampling(temperatures={"policy": 0.0})
+    out = s.sample([CHAT], "policy", "c", n=2, settings=greedy)
     assert out == [Completion("#0"), cut] and texts(out) == ["#0", "half a sent"]
     call = s.calls[-1]
     assert (call.role, call.n, call.temperature) == ("c", 2, 0.0) and call.output_texts() == ["#0", "half a sent"]
+    assert call.settings is greedy and s.calls[0].settings is s.settings  # no override: the sampler's own
     assert group(out, 2) == [[Completion("#0"), cut]]
 
 
@@ -77,32 +78,36 @@ def test_model_role_sampler_passes_the_stop_reason_through():
     tok = tiny.make_tiny_tokenizer()
     fake = FakeSampler([("done.", "stop_token"), ("cut off mid", "length"), ("Verdict: x", "stop_string"),
                         ("full context", "context_full")])
-    roles = ModelRoleSampler(fake, tok, get_params=lambda which: f"W-{which}", temperatures={"policy": 0.5},
-                             max_new_tokens={"policy": 8}, max_batch=3)
-    out = roles.sample([CHAT, CHAT], "target", "backup", n=2, temperature=0.0)
+    roles = ModelRoleSampler(fake, tok, get_params=lambda which: f"W-{which}",
+                             settings=RoleSampling(temperatures={"policy": 0.5}, max_new_tokens={"policy": 8}),
+                             max_batch=3)
+    out = roles.sample([CHAT, CHAT], "target", "backup", n=2,
+                       settings=RoleSampling(temperatures={"policy": 0.0}, max_new_tokens={"policy": 8}))
     # before the fix the stop reasons were dropped and the caller saw four finished texts
     assert out == [Completion("done.", "stop_token"), Completion("cut off mid", "length"),
                    Completion("Verdict: x", "stop_string"), Completion("full context", "context_full")]
     assert [c.truncated for c in out] == [False, True, False, True]
-    # split by max_batch, θ̄ requested, the explicit temperature wins over the role's
+    # split by max_batch, θ̄ requested, the call's settings win over the sampler's
     assert [(w, n, kw["temperature"], kw["max_new_tokens"]) for w, n, kw in fake.calls] == [
         ("W-target", 3, 0.0, 8), ("W-target", 1, 0.0, 8)]
     assert fake.calls[0][2]["stop_token_ids"] == text.stop_token_ids(tok)
     assert roles.counters.stop_reasons == {"backup/stop_token": 1, "backup/length": 1, "backup/stop_string": 1,
                                            "backup/context_full": 1}
     assert roles.sample([], "policy", "policy") == []
+    roles.sample([CHAT], "policy", "refiner")  # no override: the sampler's own settings ('policy' fallback)
+    assert fake.calls[-1][2]["temperature"] == 0.5 and fake.calls[-1][2]["top_p"] == 1.0
 
 
 # ------------------------------------------------------------------------------------------ rollout call sites
 
 
-def test_policy_fn_acts_on_truncated_actions_and_forwards_temperature():
+def test_policy_fn_acts_on_truncated_actions_and_forwards_settings():
     s = ScriptedRoleSampler({"policy": [Completion("Action: guess 5", "length"), "Action: guess 7<|im_end|>"]})
-    fn = rollout.make_policy_fn(s, PS, temperature=0.25)
+    fn = evaluation.make_policy_fn(s, PS, settings=RoleSampling(temperatures={"policy": 0.25}))
     assert fn([CHAT, CHAT]) == ["guess 5", "guess 7"]  # the cut-off action is still played
     assert s.calls[0].temperature == 0.25 and s.calls[0].params == "policy"
-    rollout.make_policy_fn(s, PS)([CHAT])
-    assert s.calls[1].temperature is None
+    evaluation.make_policy_fn(s, PS)([CHAT])
+    assert s.calls[1].settings is s.settings and s.calls[1].temperature == 1.0
 
 
 class AlwaysOptimal(EnvBase):
@@ -115,13 +120,13 @@ class AlwaysOptimal(EnvBase):
 
 def test_critic_diagnostics_reads_completion_texts():
     state = [{"role": "user", "content": "Guess."}]
-    tr = Transition(state_messages=state, action="guess 5", reward=1.0,
-                    next_state_messages=state + [{"role": "assistant", "content": "guess 5"}], done=True)
-    ep = Episode(task=Task("t0", "eval"), messages=tr.next_state_messages, transitions=[tr], total_return=1.0,
+    tr = Transition(state=state, action="guess 5", reward=1.0,
+                    next_state=state + [{"role": "assistant", "content": "guess 5"}], done=True)
+    ep = Episode(task=Task("t0", "eval"), messages=tr.next_state, transitions=[tr], total_return=1.0,
                  success=True, length=1, num_errors=0)
     s = ScriptedRoleSampler({"successor": "It wins.\nOutcome: success; Return: 0.5",
                              "evaluator": Completion("Good.\nVerdict: optimal", "stop_string")})
-    m = rollout.critic_diagnostics([ep], s, PS, AlwaysOptimal())
+    m = evaluation.critic_diagnostics([ep], s, PS, AlwaysOptimal())
     assert m["calib/n"] == 1 and m["calib/parse_rate"] == 1.0
     assert m["calib/return_mae"] == pytest.approx(0.5) and m["calib/success_accuracy"] == 1.0
     assert m["verdict/n"] == 1 and m["verdict/accuracy"] == 1.0
@@ -133,12 +138,32 @@ def test_critic_diagnostics_spreads_its_transitions_over_all_episodes():
     eps = []
     for k in range(4):  # only the last episode earns a reward (at its last step)
         state = [{"role": "user", "content": f"task {k}"}]
-        trs = [Transition(state_messages=state, action=f"a{k}.{j}", reward=float(k == 3 and j == 2),
-                          next_state_messages=state, done=j == 2) for j in range(3)]
+        trs = [Transition(state=state, action=f"a{k}.{j}", reward=float(k == 3 and j == 2),
+                          next_state=state, done=j == 2) for j in range(3)]
         eps.append(Episode(task=Task(f"t{k}", "eval"), messages=state, transitions=trs, total_return=float(k == 3),
                            success=k == 3, length=3, num_errors=0))
     s = ScriptedRoleSampler({"successor": "Outcome: success; Return: 1", "evaluator": "Verdict: optimal"})
-    m = rollout.critic_diagnostics(eps, s, PS, AlwaysOptimal(), max_transitions=4)
+    m = evaluation.critic_diagnostics(eps, s, PS, AlwaysOptimal(), max_transitions=4)
     # evenly spaced over the 12 transitions: indices 0, 4, 7, 11 (one per episode); return-to-go 0, 0, 0, 1.
     # The first four (the old sample) would all come from episodes 0-1: mean 0.
     assert m["calib/n"] == 4 and m["calib/actual_return_to_go"] == pytest.approx(0.25)
+
+
+class OneStep(EnvBase):
+    """One turn, always a success: enough to drive evaluate() end to end."""
+
+    def reset(self, task):
+        return [{"role": "user", "content": f"Play {task.id}."}]
+
+    def step(self, action_text):
+        return StepResult("Correct!", 1.0, True, {"success": True})
+
+
+def test_evaluate_acts_at_the_eval_temperature_and_critiques_at_the_training_settings():
+    s = ScriptedRoleSampler({"policy": "guess 1", "successor": "Outcome: success; Return: 1"},
+                            settings=RoleSampling(temperatures={"policy": 0.9, "successor": 0.6}, eval_temperature=0.0))
+    m, eps = evaluation.evaluate([OneStep()], [Task("a", "eval"), Task("b", "eval")], s, PS, judge_env=None,
+                                 calibration_transitions=2)
+    assert len(eps) == 2 and m["eval/success_rate"] == 1.0 and m["eval/calib/n"] == 2
+    assert [c.temperature for c in s.calls_for("policy")] == [0.0, 0.0]  # greedy acting (one env: a call per task)
+    assert [c.temperature for c in s.calls_for("successor")] == [0.6]  # the critic as trained

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from nlac_jax.nlac import prompts as P
-from nlac_jax.nlac.roles import Completion, ScriptedRoleSampler, group
+from nlac_jax.roles import Completion, ScriptedRoleSampler, group
 from nlac_jax.nlac.targets import (
     CriticExample,
     PolicyExample,
@@ -25,7 +25,7 @@ from nlac_jax.nlac.targets import (
     truncate_summary,
 )
 from nlac_jax.nlac.verdict import parse_outcome
-from nlac_jax.rl.transitions import Transition
+from nlac_jax.envs.transition import Transition
 
 PS = P.PromptSet()
 SYS = {"role": "system", "content": "Play 20 Questions: find the hidden animal."}

@@ -8,6 +8,7 @@ import pytest
 
 from nlac_jax.nlac import prompts as P
 from nlac_jax.nlac.targets import TargetConfig
+from nlac_jax.roles import RoleSampling
 from nlac_jax.nlac.verdict import (
     clean_action,
     format_return,
@@ -208,7 +209,7 @@ def test_target_config_is_gin_configurable():
     gin.parse_config("nlac.TargetConfig.k_futures = 3\nnlac.TargetConfig.use_buffer_action = True")
     cfg = TargetConfig()
     assert cfg.k_futures == 3 and cfg.use_buffer_action and cfg.m_refinements == 1
-    assert set(cfg.temperatures) == set(P.CHAT_ROLES)
+    assert set(RoleSampling().temperatures) == set(P.CHAT_ROLES)
     assert dataclasses.replace(cfg, m_refinements=2).m_refinements == 2
     with pytest.raises(ValueError):
         TargetConfig(k_futures=0)
@@ -537,9 +538,9 @@ def test_prompt_budgets_reserve_the_longest_target_of_each_prompt():
 def test_every_role_is_fitted_and_acting_equals_training():
     from nlac_jax import text, tiny
     from nlac_jax.nlac import targets
-    from nlac_jax.nlac.roles import ScriptedRoleSampler
-    from nlac_jax.rl import rollout
-    from nlac_jax.rl.transitions import Transition
+    from nlac_jax.envs.transition import Transition
+    from nlac_jax.nlac import evaluation
+    from nlac_jax.roles import ScriptedRoleSampler
 
     tok = tiny.make_tiny_tokenizer()
     ps = P.PromptSet(task="twenty_questions")
@@ -551,7 +552,7 @@ def test_every_role_is_fitted_and_acting_equals_training():
     sampler = ScriptedRoleSampler({"policy": "Is it a cat?", "successor": "It ends.\nOutcome: failure; Return: -20",
                                    "evaluator": "Fine.\nVerdict: optimal", "refiner": "Is it a dog?"})
     # acting: the rollout's policy_fn
-    rollout.make_policy_fn(sampler, ps)([state])
+    evaluation.make_policy_fn(sampler, ps)([state])
     acting = sampler.calls_for("policy")[0].messages_batch[0]
     # training: the policy example built from the buffer transition of that same state
     t = Transition(state=state, action="Is it a cat?", reward=-1.0, next_state=None, done=True, task="twenty_questions")

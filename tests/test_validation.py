@@ -1,4 +1,4 @@
-"""Start-up validation: config values refused by name before anything is built (LoopConfig, TargetConfig, the
+"""Start-up validation: config values refused by name before anything is built (LoopConfig, RoleSampling, the
 batch against the mesh), the sampler's argument checks, a tokenizer that does not fit the model, the CLI error
 classification, the atomic config.gin and the summary table's footnotes."""
 
@@ -11,6 +11,7 @@ import pytest
 
 from nlac_jax import cli, loop, metrics, models, sampling, tiny, train
 from nlac_jax.nlac import targets
+from nlac_jax.roles import RoleSampling
 
 TINY_CFG = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 
@@ -21,9 +22,7 @@ TINY_CFG = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
     ("iterations", 2.5, TypeError), ("iterations", True, TypeError), ("batch_size", 0, ValueError),
     ("episodes_per_iteration", None, TypeError), ("seed", -1, ValueError), ("eval_episodes", -2, ValueError),
     ("train_steps", 0, ValueError), ("max_turns", "3", TypeError), ("keep_checkpoints", 0, ValueError),
-    ("top_p", 1.5, ValueError), ("top_p", 0.0, ValueError), ("top_p", math.nan, ValueError),
-    ("top_p", "0.9", TypeError), ("eval_temperature", math.nan, ValueError), ("eval_temperature", -0.1, ValueError),
-    ("eval_temperature", math.inf, ValueError), ("export_hf", "yes", TypeError), ("seqio_task", 3, TypeError),
+    ("export_hf", "yes", TypeError), ("seqio_task", 3, TypeError),
 ])
 def test_loop_config_refuses_bad_values_by_name(field, value, exc):
     with pytest.raises(exc) as e:
@@ -34,30 +33,49 @@ def test_loop_config_refuses_bad_values_by_name(field, value, exc):
 
 def test_loop_config_accepts_its_defaults_and_the_documented_nones():
     loop.LoopConfig()
-    loop.LoopConfig(train_steps=None, max_turns=None, keep_checkpoints=None, top_p=1, eval_temperature=0)
+    loop.LoopConfig(train_steps=None, max_turns=None, keep_checkpoints=None)
 
 
-# ----------------------------------------------------------------------------- TargetConfig
+# ----------------------------------------------------------------------------- RoleSampling
+@pytest.mark.parametrize("field,value,exc", [
+    ("top_p", 1.5, ValueError), ("top_p", 0.0, ValueError), ("top_p", math.nan, ValueError),
+    ("top_p", "0.9", TypeError), ("eval_temperature", math.nan, ValueError), ("eval_temperature", -0.1, ValueError),
+    ("eval_temperature", math.inf, ValueError),
+])
+def test_role_sampling_refuses_bad_scalars_by_name(field, value, exc):
+    with pytest.raises(exc) as e:
+        RoleSampling(**{field: value})
+    assert str(e.value).startswith(f"RoleSampling.{field} = {value!r}: expected")
+
+
+def test_role_sampling_accepts_its_defaults_and_integer_values():
+    s = RoleSampling(top_p=1, eval_temperature=0)
+    assert s.temperature("backup") == 0.7 and s.budget("successor") == 384
+    # evaluation: the policy at eval_temperature, every other role at its own (also a role that fell back)
+    e = RoleSampling(temperatures={"policy": 1.0}, eval_temperature=0.0).evaluation()
+    assert e.temperature("policy") == 0.0 and e.temperature("successor") == 1.0
+
+
 @pytest.mark.parametrize("field,role,value", [
     ("temperatures", "policy", math.nan), ("temperatures", "backup", -0.5), ("temperatures", "refiner", math.inf),
     ("temperatures", "evaluator", "hot"), ("max_new_tokens", "policy", 0), ("max_new_tokens", "successor", -4),
     ("max_new_tokens", "backup", 8.0),
 ])
-def test_target_config_refuses_bad_sampling_settings(field, role, value):
-    d = dict(getattr(targets.TargetConfig(), field))
+def test_role_sampling_refuses_bad_per_role_settings(field, role, value):
+    d = dict(getattr(RoleSampling(), field))
     d[role] = value
     with pytest.raises(ValueError) as e:
-        targets.TargetConfig(**{field: d})
-    assert f"TargetConfig.{field}[{role!r}] = {value!r}" in str(e.value)
+        RoleSampling(**{field: d})
+    assert f"RoleSampling.{field}[{role!r}] = {value!r}" in str(e.value)
 
 
-def test_target_config_refuses_a_non_dict_a_typo_d_role_and_a_missing_policy_entry():
-    with pytest.raises(TypeError, match=r"TargetConfig.temperatures = 0.7"):
-        targets.TargetConfig(temperatures=0.7)
+def test_role_sampling_refuses_a_non_dict_a_typo_d_role_and_a_missing_policy_entry():
+    with pytest.raises(TypeError, match=r"RoleSampling.temperatures = 0.7"):
+        RoleSampling(temperatures=0.7)
     with pytest.raises(ValueError, match=r"unknown: \['polciy'\]"):
-        targets.TargetConfig(max_new_tokens={"policy": 8, "polciy": 8})
+        RoleSampling(max_new_tokens={"policy": 8, "polciy": 8})
     with pytest.raises(ValueError, match=r"needs a 'policy' entry"):  # the fallback of every other role
-        targets.TargetConfig(temperatures={"backup": 0.7})
+        RoleSampling(temperatures={"backup": 0.7})
 
 
 # ----------------------------------------------------------------------------- gin start-up checks
@@ -80,13 +98,14 @@ def test_load_gin_refuses_a_batch_the_mesh_cannot_split():
     assert "num_microbatches = 3" in msg
 
 
-def test_load_gin_refuses_bad_loop_and_target_values():
+def test_load_gin_refuses_bad_loop_and_sampling_values():
     assert "LoopConfig.iterations = 'four'" in _gin_error(["LoopConfig.iterations = 'four'"])
-    assert "LoopConfig.top_p = 1.5" in _gin_error(["LoopConfig.top_p = 1.5"])
-    msg = _gin_error(["nlac.TargetConfig.max_new_tokens = {'policy': 0}"])
-    assert "TargetConfig.max_new_tokens['policy'] = 0" in msg
-    msg = _gin_error(["nlac.TargetConfig.temperatures = {'policy': 1e999}"])  # gin has no NaN literal; inf
-    assert "TargetConfig.temperatures['policy'] = inf" in msg
+    assert "RoleSampling.top_p = 1.5" in _gin_error(["nlac.RoleSampling.top_p = 1.5"])
+    assert "RoleSampling.eval_temperature = -1.0" in _gin_error(["nlac.RoleSampling.eval_temperature = -1.0"])
+    msg = _gin_error(["nlac.RoleSampling.max_new_tokens = {'policy': 0}"])
+    assert "RoleSampling.max_new_tokens['policy'] = 0" in msg
+    msg = _gin_error(["nlac.RoleSampling.temperatures = {'policy': 1e999}"])  # gin has no NaN literal; inf
+    assert "RoleSampling.temperatures['policy'] = inf" in msg
 
 
 def test_load_gin_refuses_max_len_beyond_the_model_context():

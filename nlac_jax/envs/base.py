@@ -25,6 +25,8 @@ import logging
 import random
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
+from nlac_jax.envs.transition import Transition  # the one Transition class (the runner writes it, rl stores it)
+
 Message = dict  # {'role': 'system' | 'user' | 'assistant', 'content': str}
 Observation = list  # list[Message]: the initial chat messages returned by Env.reset
 
@@ -48,22 +50,6 @@ class StepResult:
 
     observation: str
     reward: float
-    done: bool
-    info: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Transition:
-    """One-step transition (s_t, a_t, r_t, s_{t+1}, done) over chat histories.
-
-    ``next_state_messages`` is the history after the action and the env's observation; when ``done`` it is the
-    terminal history (the successor model's target verbalises its outcome). ``info`` is the env's step info.
-    """
-
-    state_messages: list
-    action: str
-    reward: float
-    next_state_messages: list
     done: bool
     info: dict = dataclasses.field(default_factory=dict)
 
@@ -406,8 +392,9 @@ class BatchedRunner:
                 info = dict(res.info)
                 if truncated:
                     info['truncated'] = True
-                s['transitions'].append(Transition(state, action, float(res.reward),
-                                                   copy.deepcopy(s['messages']), bool(res.done), info))
+                s['transitions'].append(Transition(state=state, action=action, reward=float(res.reward),
+                                                   next_state=copy.deepcopy(s['messages']), done=bool(res.done),
+                                                   info=info))
                 if res.done or truncated:
                     results[s['idx']] = Episode(
                         task=s['task'], messages=s['messages'], transitions=s['transitions'],

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from nlac_jax.nlac import targets
+from nlac_jax import text
 from nlac_jax.nlac.algorithm import NLAC
 
 __all__ = ["ARMS", "SFTExample", "RFT", "GRPO", "make_learner", "group_advantages"]
@@ -41,7 +41,7 @@ class SFTExample:
     prompt_messages: list
     target_text: str
     weight: float = 1.0
-    kind: int = targets.KIND_POLICY
+    kind: int = text.KIND_POLICY
 
     def to_training_dict(self) -> dict:
         """The fields text packing needs."""
@@ -76,7 +76,7 @@ class RFT:
         wins = [ep for ep in episodes if ep.success]
         for ep in wins:
             for t in ep.transitions:
-                self._pairs.append((t.state_messages, t.action))
+                self._pairs.append((t.state, t.action))
         k = min(self.policy_examples, len(self._pairs))
         idx = rng.choice(len(self._pairs), size=k, replace=False) if k else []
         out = [SFTExample(run.prompts.policy(self._pairs[int(i)][0]), self._pairs[int(i)][1]) for i in idx]
@@ -122,7 +122,7 @@ class GRPO:
                     continue
                 for t in ep.transitions:
                     if t.action.strip():
-                        out.append(SFTExample(run.prompts.policy(t.state_messages), t.action, weight=a))
+                        out.append(SFTExample(run.prompts.policy(t.state), t.action, weight=a))
         if len(out) > self.max_examples:
             keep = sorted(rng.choice(len(out), size=self.max_examples, replace=False))
             out = [out[int(i)] for i in keep]

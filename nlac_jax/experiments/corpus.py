@@ -34,10 +34,12 @@ from typing import Callable, Optional, Sequence
 
 from nlac_jax.envs.base import BatchedRunner, Task, TaskCursor
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, parse_guess
+from nlac_jax.envs.transition import Transition
 from nlac_jax.nlac.prompts import PromptSet, render_transcript
-from nlac_jax.nlac.targets import KIND_CRITIC, KIND_POLICY, TargetConfig, truncate_summary
+from nlac_jax.nlac.targets import TargetConfig, truncate_summary
 from nlac_jax.nlac.verdict import outcome_line, parse_outcome
-from nlac_jax.rl.transitions import Transition, transitions_from_episode
+from nlac_jax.rl.transitions import transitions_from_episode
+from nlac_jax.text import KIND_CRITIC, KIND_POLICY
 
 __all__ = [
     "TASK_NAME",

@@ -48,7 +48,7 @@ from nlac_jax.experiments.corpus import (DETAIL_GUESSES, CorpusExample, _check_m
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
 from nlac_jax.nlac.verdict import outcome_line
-from nlac_jax.rl.transitions import Transition
+from nlac_jax.envs.transition import Transition
 
 __all__ = [
     "TASK_NAME",

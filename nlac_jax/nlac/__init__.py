@@ -1,4 +1,8 @@
-"""Natural Language Actor-Critic: prompts (one registry), role sampling interface, targets, parsers."""
+"""Natural Language Actor-Critic: prompts (one registry), targets, parsers, evaluation.
+
+The role-sampling interface (RoleSampler, Completion, RoleSampling settings) lives upstream in ``nlac_jax.roles``,
+shared with ``nlac_jax.rl``; nlac may import rl, never the other way round.
+"""
 
 from nlac_jax.nlac.prompts import (
     CHAT_ROLES,
@@ -9,15 +13,6 @@ from nlac_jax.nlac.prompts import (
     available_prompt_sets,
     get_prompt_set,
     render_transcript,
-)
-from nlac_jax.nlac.roles import (
-    PARAMS_NAMES,
-    Completion,
-    ParamsName,
-    RoleSampler,
-    SamplerCall,
-    ScriptedRoleSampler,
-    group,
 )
 from nlac_jax.nlac.targets import (
     CriticExample,
@@ -44,16 +39,10 @@ __all__ = [
     "CHAT_ROLES",
     "DEFAULT_SET",
     "ROLES",
-    "PARAMS_NAMES",
-    "Completion",
     "CriticExample",
-    "ParamsName",
     "PolicyExample",
     "PromptSet",
     "PromptTemplate",
-    "RoleSampler",
-    "SamplerCall",
-    "ScriptedRoleSampler",
     "TargetConfig",
     "TargetStats",
     "available_prompt_sets",
@@ -64,7 +53,6 @@ __all__ = [
     "format_examples_for_humans",
     "format_return",
     "get_prompt_set",
-    "group",
     "outcome_line",
     "parse_outcome",
     "parse_verdict",

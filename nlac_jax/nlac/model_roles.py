@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.nlac.roles import PARAMS_NAMES, Completion, ParamsName
+from nlac_jax.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling
 
 
 @dataclasses.dataclass
@@ -48,16 +48,17 @@ class ModelRoleSampler:
     """RoleSampler over `sampling.Sampler`.
 
     get_params: 'policy' -> θ, 'target' -> θ̄ (called at every sample, so it always sees the current arrays).
-    temperatures / max_new_tokens: per role (missing roles use the 'policy' entry); top_p applies to all roles.
+    settings: the run's RoleSampling (per-role temperature and token budget, top_p); a call's own `settings`
+      replace them for that call (held-out evaluation's greedy policy).
     max_batch: prompts per sampler call (larger batches are split; each call's batch is bucketed to a power of 2).
     seed: base seed; call i of the current phase uses seed (seed, phase_seed, i): reproducible across resumes.
     """
 
-    def __init__(self, sampler, tokenizer, get_params: Callable[[str], object], temperatures: Mapping[str, float],
-                 max_new_tokens: Mapping[str, int], top_p: float = 1.0, max_batch: int = 64, seed: int = 0):
+    def __init__(self, sampler, tokenizer, get_params: Callable[[str], object], settings: RoleSampling,
+                 max_batch: int = 64, seed: int = 0):
         self.sampler, self.tokenizer, self.get_params = sampler, tokenizer, get_params
-        self.temperatures, self.max_new_tokens = dict(temperatures), dict(max_new_tokens)
-        self.top_p, self.max_batch, self.seed = float(top_p), int(max_batch), int(seed)
+        self.settings = settings
+        self.max_batch, self.seed = int(max_batch), int(seed)
         self.stop_ids = text.stop_token_ids(tokenizer)
         self.counters = RoleCounters()
         self._phase_seed, self._calls = 0, 0
@@ -67,11 +68,8 @@ class ModelRoleSampler:
         self._phase_seed, self._calls = int(phase_seed), 0
         self.counters = RoleCounters()
 
-    def _setting(self, table: Mapping, role: str):
-        return table[role] if role in table else table["policy"]
-
     def sample(self, messages_batch: list[list[dict]], params: ParamsName, role: str, n: int = 1,
-               temperature: float | None = None) -> list[Completion]:
+               settings: RoleSampling | None = None) -> list[Completion]:
         """`n` completions per chat prompt, flat and prompt-major (`out[i*n + j]`), each with the sampler's
         stop reason (so callers can refuse cut-off texts as targets)."""
         if params not in PARAMS_NAMES:
@@ -80,8 +78,8 @@ class ModelRoleSampler:
             return []
         prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True)
                    for m in messages_batch for _ in range(n)]
-        temp = self._setting(self.temperatures, role) if temperature is None else temperature
-        budget = int(self._setting(self.max_new_tokens, role))
+        settings = self.settings if settings is None else settings
+        temp, budget, top_p = settings.temperature(role), settings.budget(role), float(settings.top_p)
         weights = self.get_params(params)
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch):
@@ -89,7 +87,7 @@ class ModelRoleSampler:
             seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
             self._calls += 1
             t0 = time.perf_counter()
-            res = self.sampler.generate(weights, chunk, max_new_tokens=budget, temperature=temp, top_p=self.top_p,
+            res = self.sampler.generate(weights, chunk, max_new_tokens=budget, temperature=temp, top_p=top_p,
                                         stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer)
             self.counters.add(role, len(chunk), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason)
             out.extend(Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True))

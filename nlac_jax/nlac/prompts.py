@@ -46,6 +46,7 @@ import gin
 import jinja2
 
 from nlac_jax.nlac.verdict import format_return, outcome_line, parse_outcome, replace_outcome_line
+from nlac_jax.roles import CHAT_ROLES
 
 __all__ = [
     "ROLES",
@@ -61,8 +62,8 @@ __all__ = [
     "TARGET_ROLES",
 ]
 
-# Roles whose prompt is sent to the model (values of RoleSampler's `role` argument), then the text-only one.
-CHAT_ROLES = ("policy", "successor", "backup", "evaluator", "refiner")
+# Roles whose prompt is sent to the model (CHAT_ROLES: the RoleSampler's role names, defined with the sampling
+# settings keyed by them in nlac_jax.roles), then the text-only one.
 ROLES = CHAT_ROLES + ("terminal_summary",)
 DEFAULT_SET = "default"
 TEMPLATE_ROOT = Path(__file__).resolve().parent / "templates"
@@ -236,7 +237,7 @@ def prompt_budgets(max_len: int, max_new_tokens: Mapping[str, int]) -> dict[str,
     """Per-role prompt token budgets for ``text.PromptFitter``: ``max_len`` minus the longest target the role's
     prompt is sampled with or trained on (``TARGET_ROLES``), minus 1 for the turn-end token training appends.
 
-    ``max_new_tokens``: role -> generation budget (``nlac.TargetConfig.max_new_tokens``; missing roles use the
+    ``max_new_tokens``: role -> generation budget (``nlac.RoleSampling.max_new_tokens``; missing roles use the
     ``'policy'`` entry, as the sampler does). Budgets may be < 1; ``PromptFitter`` refuses them.
     """
     def new(role: str) -> int:

@@ -55,8 +55,8 @@ from typing import Callable, Mapping, Sequence
 
 import gin
 
-from nlac_jax.nlac.prompts import CHAT_ROLES, PromptSet, get_prompt_set, render_transcript
-from nlac_jax.nlac.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
+from nlac_jax.envs.transition import Transition
+from nlac_jax.nlac.prompts import PromptSet, get_prompt_set, render_transcript
 from nlac_jax.nlac.verdict import (
     clean_action,
     outcome_line,
@@ -65,7 +65,8 @@ from nlac_jax.nlac.verdict import (
     replace_outcome_line,
     strip_outcome_lines,
 )
-from nlac_jax.rl.transitions import Transition
+from nlac_jax.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
+from nlac_jax.text import KIND_CRITIC, KIND_POLICY
 
 __all__ = [
     "TargetConfig",
@@ -79,20 +80,6 @@ __all__ = [
     "trainable",
     "truncate_summary",
 ]
-
-KIND_CRITIC = 0
-KIND_POLICY = 1
-
-
-def _default_temperatures() -> dict[str, float]:
-    # policy/successor are distributions whose samples stand in for expectations: sample at T=1.
-    # backup/evaluator/refiner are "operators" whose output format must be reliable: a cooler T.
-    return {"policy": 1.0, "successor": 1.0, "backup": 0.7, "evaluator": 0.7, "refiner": 0.7}
-
-
-def _default_max_new_tokens() -> dict[str, int]:
-    return {"policy": 512, "successor": 384, "backup": 384, "evaluator": 512, "refiner": 512}
-
 
 @gin.configurable(module="nlac")
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +107,9 @@ class TargetConfig:
       enforce_outcome_line: exact Bellman arithmetic on the final line (see module docstring).
       success_threshold: terminal success when the environment gives no ``info['success']``.
       terminal_include_observation: terminal summaries quote the environment's final message.
-      temperatures / max_new_tokens: per-role sampling settings. NOT used here: the RoleSampler owns
-        sampling; they live here so one gin file configures a run and the trainer can pass them on.
+
+    How each role is sampled (temperature, top_p, max_new_tokens) is not configured here: the RoleSampler carries
+    the run's ``nlac_jax.roles.RoleSampling`` (``nlac.RoleSampling.*`` in gin) and every call here uses it.
     """
 
     k_futures: int = 1
@@ -140,8 +128,6 @@ class TargetConfig:
     enforce_outcome_line: bool = True
     success_threshold: float = 0.0
     terminal_include_observation: bool = True
-    temperatures: dict = dataclasses.field(default_factory=_default_temperatures)
-    max_new_tokens: dict = dataclasses.field(default_factory=_default_max_new_tokens)
 
     def __post_init__(self):
         if self.k_futures < 1:
@@ -153,22 +139,6 @@ class TargetConfig:
             raise ValueError("ablate_critique needs m_refinements >= 1 (nothing else can become a target)")
         if self.ablate_critique and self.recritique:
             raise ValueError("ablate_critique and recritique exclude each other (there is no critic to re-ask)")
-        # per-role sampling settings: refused at start-up by role and value (a NaN temperature samples garbage)
-        for field, want in (("temperatures", "a finite number >= 0"), ("max_new_tokens", "an integer >= 1")):
-            d = getattr(self, field)
-            if not isinstance(d, dict):
-                raise TypeError(f"TargetConfig.{field} = {d!r}: expected a dict role -> {want}")
-            unknown = [r for r in d if r not in CHAT_ROLES]
-            if unknown or "policy" not in d:  # a typo'd role would be ignored; roles without an entry use 'policy'
-                raise ValueError(f"TargetConfig.{field} = {d!r}: needs a 'policy' entry and only the roles "
-                                 f"{list(CHAT_ROLES)}" + (f" (unknown: {unknown})" if unknown else ""))
-            for role, v in d.items():
-                if field == "temperatures":
-                    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                else:
-                    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                if not ok:
-                    raise ValueError(f"TargetConfig.{field}[{role!r}] = {v!r}: expected {want}")
 
 
 @dataclasses.dataclass

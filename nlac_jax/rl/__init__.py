@@ -1,13 +1,14 @@
-"""Reinforcement-learning data plumbing: one-step transitions and the replay buffer."""
+"""Reinforcement-learning data plumbing: episodes -> one-step transitions, the replay buffer, rollouts.
+
+Data flows one way: envs -> rl -> nlac. Nothing in this package imports ``nlac_jax.nlac`` (a test parses every
+module here to hold that); the Transition class itself lives upstream in ``nlac_jax.envs.transition``.
+"""
 
 from nlac_jax.rl.buffer import ReplayBuffer, rng_from_seed
-from nlac_jax.rl.transitions import Transition, next_observation, to_jsonable, transitions_from_episode
+from nlac_jax.rl.transitions import transitions_from_episode
 
 __all__ = [
     "ReplayBuffer",
-    "Transition",
-    "next_observation",
     "rng_from_seed",
-    "to_jsonable",
     "transitions_from_episode",
 ]

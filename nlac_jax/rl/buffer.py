@@ -1,4 +1,4 @@
-"""A FIFO replay buffer of one-step :class:`~nlac_jax.rl.transitions.Transition` s.
+"""A FIFO replay buffer of one-step :class:`~nlac_jax.envs.transition.Transition` s.
 
 NLAC's critic is trained off-policy from one-step transitions (design §1), so the buffer only needs uniform
 sampling, FIFO eviction and a JSON form for checkpoints. It lives in host memory as Python objects: transitions
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 import gin
 import numpy as np
 
-from nlac_jax.rl.transitions import Transition
+from nlac_jax.envs.transition import Transition
 
 __all__ = ["ReplayBuffer", "rng_from_seed"]
 

@@ -1,35 +1,34 @@
-"""Rollouts with the current policy θ, and the held-out evaluation with NLAC's two critic diagnostics.
+"""Rollouts with the current policy θ: a RoleSampler acts for the agent in a pool of environments.
 
-Calibration: the successor model's predicted outcome/return for (s_t, a_t), parsed from its summary's final
-line, against the return the episode actually reached from t on. Verdict accuracy: where the environment knows
-which actions are optimal (`Env.is_action_optimal`), how often the evaluator's verdict agrees.
+Generic over the algorithm: the caller says how a history becomes the policy's chat prompt and how a generated
+text becomes an action (NLAC's prompt set and action cleaner, see ``nlac.evaluation.make_policy_fn``), so this
+module never imports ``nlac_jax.nlac`` (data flows envs -> rl -> nlac). Held-out evaluation with NLAC's critic
+diagnostics lives in ``nlac.evaluation``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
-import numpy as np
-
-from nlac_jax.envs.base import BatchedRunner, EnvBase, Episode, episode_metrics
-from nlac_jax.nlac.prompts import PromptSet
-from nlac_jax.nlac.roles import RoleSampler, check_samples, texts
-from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
-from nlac_jax.rl.transitions import Transition, transitions_from_episode
+from nlac_jax.envs.base import BatchedRunner, Episode
+from nlac_jax.envs.transition import Transition
+from nlac_jax.rl.transitions import transitions_from_episode
+from nlac_jax.roles import RoleSampler, RoleSampling, check_samples
 
 
-def make_policy_fn(sampler: RoleSampler, prompts: PromptSet, params: str = "policy",
-                   temperature: float | None = None) -> Callable[[list], list]:
-    """BatchedRunner policy: histories -> actions, one batched sampler call per turn (role 'policy')."""
+def make_policy_fn(sampler: RoleSampler, policy_prompt: Callable[[list], list[dict]],
+                   to_action: Callable[[str], str], params: str = "policy",
+                   settings: RoleSampling | None = None) -> Callable[[list], list]:
+    """BatchedRunner policy: histories -> actions, one batched sampler call per turn (role 'policy').
+
+    policy_prompt: history -> the policy's chat messages; to_action: generated text -> the action played.
+    settings: sampling settings for the call (None: the sampler's own).
+    """
     def policy_fn(histories: list) -> list:
-        batch = [prompts.policy(h) for h in histories]
-        if temperature is None:
-            outs = sampler.sample(batch, params, "policy")
-        else:
-            outs = sampler.sample(batch, params, "policy", temperature=temperature)
+        batch = [policy_prompt(h) for h in histories]
+        outs = sampler.sample(batch, params, "policy", settings=settings)
         # a cut-off action is still acted on: the environment decides what an incomplete utterance is worth
-        return [clean_action(c.text) for c in check_samples(outs, len(batch), "policy")]
+        return [to_action(c.text) for c in check_samples(outs, len(batch), "policy")]
     return policy_fn
 
 
@@ -39,77 +38,3 @@ def collect(envs: Sequence, tasks: Sequence, policy_fn: Callable, task_name: str
     episodes = BatchedRunner(envs, policy_fn, max_turns=max_turns).run(tasks)
     transitions = [t for ep in episodes for t in transitions_from_episode(ep, task=task_name)]
     return episodes, transitions
-
-
-def _returns_to_go(ep: Episode) -> list[float]:
-    rewards = [float(t.reward) for t in ep.transitions]
-    return [float(sum(rewards[i:])) for i in range(len(rewards))]
-
-
-def _is_optimal(judge_env, task, state, action):
-    """Ground-truth optimality from an env that knows it (None otherwise); the judge is reset to the episode's task
-    because optimality depends on hidden task data (e.g. the toy task's number)."""
-    if judge_env is None or type(judge_env).is_action_optimal is EnvBase.is_action_optimal:
-        return None
-    judge_env.reset(task)
-    return judge_env.is_action_optimal(state, action)
-
-
-def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
-                       max_transitions: int = 16, params: str = "policy") -> dict:
-    """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes,
-    evenly spaced over all their transitions (the first ones would all come from the first few episodes).
-
-    judge_env: an env instance whose `is_action_optimal(state, action)` gives ground truth (None = unknown).
-    Returns metrics under 'calib/' and 'verdict/' (NaN where nothing could be measured).
-    """
-    items, item_tasks = [], []  # (state, action, return-to-go, episode success), and each item's task
-    for ep in episodes:
-        for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
-            items.append((t.state_messages, t.action, rtg, bool(ep.success)))
-            item_tasks.append(ep.task)
-    if len(items) > max_transitions:
-        keep = sorted({int(round(i)) for i in np.linspace(0, len(items) - 1, max_transitions)})
-        items, item_tasks = [items[i] for i in keep], [item_tasks[i] for i in keep]
-    out = {"calib/n": len(items)}
-    if not items:
-        return out
-    futures = texts(check_samples(
-        sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor"), len(items), "successor"))
-    parsed = [parse_outcome(f) for f in futures]
-    ok_ret = [(r, rtg) for (_, r), (_, _, rtg, _) in zip(parsed, items) if r is not None]
-    ok_succ = [(s, succ) for (s, _), (_, _, _, succ) in zip(parsed, items) if s is not None]
-    out["calib/parse_rate"] = sum(p[1] is not None or p[0] is not None for p in parsed) / len(items)
-    out["calib/return_mae"] = float(np.mean([abs(r - rtg) for r, rtg in ok_ret])) if ok_ret else math.nan
-    out["calib/predicted_return"] = float(np.mean([r for r, _ in ok_ret])) if ok_ret else math.nan
-    out["calib/actual_return_to_go"] = float(np.mean([rtg for _, _, rtg, _ in items]))
-    out["calib/success_accuracy"] = float(np.mean([s == succ for s, succ in ok_succ])) if ok_succ else math.nan
-    out["calib/predicted_success"] = float(np.mean([s for s, _ in ok_succ])) if ok_succ else math.nan
-
-    truth = [_is_optimal(judge_env, task, s, a) for (s, a, _, _), task in zip(items, item_tasks)]
-    known = [i for i, t in enumerate(truth) if t is not None]
-    out["verdict/n"] = len(known)
-    if known:
-        critiques = texts(check_samples(
-            sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known], params,
-                           "evaluator"), len(known), "evaluator"))
-        verdicts = [parse_verdict(c) for c in critiques]
-        scored = [(v, truth[i]) for v, i in zip(verdicts, known) if v is not None]
-        out["verdict/parse_rate"] = len(scored) / len(known)
-        out["verdict/accuracy"] = float(np.mean([v == t for v, t in scored])) if scored else math.nan
-        out["verdict/predicted_optimal"] = float(np.mean([v for v, _ in scored])) if scored else math.nan
-        out["verdict/truly_optimal"] = float(np.mean([truth[i] for i in known]))
-    return out
-
-
-def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
-             params: str = "policy", temperature: float = 0.0, calibration_transitions: int = 16,
-             max_turns: int | None = None) -> tuple[dict, list[Episode]]:
-    """Held-out episodes (greedy by default) + critic diagnostics. Returns (metrics under 'eval/', episodes)."""
-    policy_fn = make_policy_fn(sampler, prompts, params, temperature=temperature)
-    episodes, _ = collect(envs, tasks, policy_fn, max_turns=max_turns)
-    m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
-    if calibration_transitions > 0:
-        m.update({f"eval/{k}": v for k, v in critic_diagnostics(
-            episodes, sampler, prompts, judge_env, calibration_transitions, params).items()})
-    return m, episodes

@@ -25,7 +25,7 @@ from nlac_jax.models import decoder
 from nlac_jax.models.config import ModelConfig
 
 NORMALISATIONS = ("token", "sequence")
-KIND_CRITIC, KIND_POLICY = 0, 1
+from nlac_jax.text import KIND_CRITIC, KIND_POLICY  # noqa: E402  (the one definition of the example kinds)
 
 
 def shift_targets(input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,113 @@
+"""Acting and held-out evaluation with NLAC's prompts, and NLAC's two critic diagnostics.
+
+Acting: :func:`make_policy_fn` plugs the prompt set's policy prompt and :func:`~nlac_jax.nlac.verdict.clean_action`
+into the generic ``rl.rollout`` policy (rl must not import nlac, so the NLAC pieces are joined here).
+
+Calibration: the successor model's predicted outcome/return for (s_t, a_t), parsed from its summary's final
+line, against the return the episode actually reached from t on. Verdict accuracy: where the environment knows
+which actions are optimal (`Env.is_action_optimal`), how often the evaluator's verdict agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from nlac_jax.envs.base import EnvBase, Episode, episode_metrics
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
+from nlac_jax.rl import rollout
+from nlac_jax.roles import RoleSampler, RoleSampling, check_samples, texts
+
+__all__ = ["critic_diagnostics", "evaluate", "make_policy_fn"]
+
+
+def make_policy_fn(sampler: RoleSampler, prompts: PromptSet, params: str = "policy",
+                   settings: RoleSampling | None = None) -> Callable[[list], list]:
+    """BatchedRunner policy acting with `prompts.policy` and `clean_action` (see ``rl.rollout.make_policy_fn``);
+    settings: None = the sampler's own."""
+    return rollout.make_policy_fn(sampler, prompts.policy, clean_action, params=params, settings=settings)
+
+
+def _returns_to_go(ep: Episode) -> list[float]:
+    rewards = [float(t.reward) for t in ep.transitions]
+    return [float(sum(rewards[i:])) for i in range(len(rewards))]
+
+
+def _is_optimal(judge_env, task, state, action):
+    """Ground-truth optimality from an env that knows it (None otherwise); the judge is reset to the episode's task
+    because optimality depends on hidden task data (e.g. the toy task's number)."""
+    if judge_env is None or type(judge_env).is_action_optimal is EnvBase.is_action_optimal:
+        return None
+    judge_env.reset(task)
+    return judge_env.is_action_optimal(state, action)
+
+
+def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
+                       max_transitions: int = 16, params: str = "policy",
+                       settings: RoleSampling | None = None) -> dict:
+    """Calibration and verdict accuracy on up to `max_transitions` (s_t, a_t) pairs of held-out episodes,
+    evenly spaced over all their transitions (the first ones would all come from the first few episodes).
+
+    judge_env: an env instance whose `is_action_optimal(state, action)` gives ground truth (None = unknown).
+    settings: sampling settings for the successor and evaluator calls (None: the sampler's own).
+    Returns metrics under 'calib/' and 'verdict/' (NaN where nothing could be measured).
+    """
+    items, item_tasks = [], []  # (state, action, return-to-go, episode success), and each item's task
+    for ep in episodes:
+        for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
+            items.append((t.state, t.action, rtg, bool(ep.success)))
+            item_tasks.append(ep.task)
+    if len(items) > max_transitions:
+        keep = sorted({int(round(i)) for i in np.linspace(0, len(items) - 1, max_transitions)})
+        items, item_tasks = [items[i] for i in keep], [item_tasks[i] for i in keep]
+    out = {"calib/n": len(items)}
+    if not items:
+        return out
+    futures = texts(check_samples(
+        sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor", settings=settings),
+        len(items), "successor"))
+    parsed = [parse_outcome(f) for f in futures]
+    ok_ret = [(r, rtg) for (_, r), (_, _, rtg, _) in zip(parsed, items) if r is not None]
+    ok_succ = [(s, succ) for (s, _), (_, _, _, succ) in zip(parsed, items) if s is not None]
+    out["calib/parse_rate"] = sum(p[1] is not None or p[0] is not None for p in parsed) / len(items)
+    out["calib/return_mae"] = float(np.mean([abs(r - rtg) for r, rtg in ok_ret])) if ok_ret else math.nan
+    out["calib/predicted_return"] = float(np.mean([r for r, _ in ok_ret])) if ok_ret else math.nan
+    out["calib/actual_return_to_go"] = float(np.mean([rtg for _, _, rtg, _ in items]))
+    out["calib/success_accuracy"] = float(np.mean([s == succ for s, succ in ok_succ])) if ok_succ else math.nan
+    out["calib/predicted_success"] = float(np.mean([s for s, _ in ok_succ])) if ok_succ else math.nan
+
+    truth = [_is_optimal(judge_env, task, s, a) for (s, a, _, _), task in zip(items, item_tasks)]
+    known = [i for i, t in enumerate(truth) if t is not None]
+    out["verdict/n"] = len(known)
+    if known:
+        critiques = texts(check_samples(
+            sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known], params,
+                           "evaluator", settings=settings), len(known), "evaluator"))
+        verdicts = [parse_verdict(c) for c in critiques]
+        scored = [(v, truth[i]) for v, i in zip(verdicts, known) if v is not None]
+        out["verdict/parse_rate"] = len(scored) / len(known)
+        out["verdict/accuracy"] = float(np.mean([v == t for v, t in scored])) if scored else math.nan
+        out["verdict/predicted_optimal"] = float(np.mean([v for v, _ in scored])) if scored else math.nan
+        out["verdict/truly_optimal"] = float(np.mean([truth[i] for i in known]))
+    return out
+
+
+def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
+             params: str = "policy", calibration_transitions: int = 16, max_turns: int | None = None,
+             settings: RoleSampling | None = None) -> tuple[dict, list[Episode]]:
+    """Held-out episodes + critic diagnostics. Returns (metrics under 'eval/', episodes).
+
+    The policy acts at ``settings.eval_temperature`` (greedy by default, see ``RoleSampling.evaluation``); the
+    critic's roles keep their training settings. settings: None = the sampler's own.
+    """
+    settings = sampler.settings if settings is None else settings
+    policy_fn = make_policy_fn(sampler, prompts, params, settings=settings.evaluation())
+    episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns)
+    m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
+    if calibration_transitions > 0:
+        m.update({f"eval/{k}": v for k, v in critic_diagnostics(
+            episodes, sampler, prompts, judge_env, calibration_transitions, params, settings=settings).items()})
+    return m, episodes

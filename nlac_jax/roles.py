@@ -1,0 +1,317 @@
+"""Role sampling: the interface between text generation and its users (rollouts in ``rl/``, targets in ``nlac/``).
+
+It sits upstream of both so that data flows one way (envs -> rl -> nlac): rollouts act through the same
+:class:`RoleSampler` that NLAC's target builder uses, without ``rl`` importing ``nlac``.
+
+Callers never call the sampler directly: they ask a :class:`RoleSampler` for completions, naming the role (which
+prompt family this is: one of :data:`CHAT_ROLES`) and which parameters to generate with: ``'policy'`` = θ (the
+parameters being trained) or ``'target'`` = θ̄ (their EMA). The trainer implements it by wrapping
+``sampling.generate`` with θ or θ̄ (``nlac.model_roles.ModelRoleSampler``); tests use
+:class:`ScriptedRoleSampler`.
+
+How each role is sampled (temperature, top-p, token budget) is ONE gin-configurable object,
+:class:`RoleSampling` (``nlac.RoleSampling.*``). Every sampler exposes its settings as ``sampler.settings`` and
+``sample`` accepts a ``settings`` override (held-out evaluation passes ``settings.evaluation()``), so a scripted
+sampler and the model sampler see, and record, the same thing.
+
+Each sample is a :class:`Completion`: the text AND why generation stopped. The stop reason matters because a
+text cut off at its token budget must never become a training target (text packing appends the end-of-turn
+token, which would teach the model to stop mid-thought there).
+
+Return convention for ``n`` samples per prompt: ONE FLAT list of ``len(messages_batch) * n`` completions,
+prompt-major: ``out[i * n + j]`` is sample ``j`` of prompt ``i``. Use :func:`group` to get a list of lists.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+
+import gin
+
+__all__ = [
+    "CHAT_ROLES",
+    "Completion",
+    "ParamsName",
+    "PARAMS_NAMES",
+    "RoleSampler",
+    "RoleSampling",
+    "STOP_REASONS",
+    "SamplerCall",
+    "ScriptedRoleSampler",
+    "TRUNCATED_REASONS",
+    "check_samples",
+    "group",
+    "texts",
+]
+
+# The roles whose prompt is sent to the model (values of RoleSampler's `role` argument). The prompt registry
+# (nlac.prompts) renders one prompt family per role; the settings below are keyed by the same names.
+CHAT_ROLES = ("policy", "successor", "backup", "evaluator", "refiner")
+
+ParamsName = Literal["policy", "target"]
+PARAMS_NAMES = ("policy", "target")
+
+# The sampler's stop reasons (sampling.GenerateOutput.stop_reason); the last two mean "cut off".
+STOP_REASONS = ("stop_token", "stop_string", "length", "context_full")
+TRUNCATED_REASONS = ("length", "context_full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One generated text and why generation stopped (one of :data:`STOP_REASONS`)."""
+
+    text: str
+    stop_reason: str = "stop_token"
+
+    def __post_init__(self):
+        if self.stop_reason not in STOP_REASONS:
+            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {self.stop_reason!r}")
+
+    @property
+    def truncated(self) -> bool:
+        """True when the text was cut off (token budget or model context reached), not finished."""
+        return self.stop_reason in TRUNCATED_REASONS
+
+
+def _default_temperatures() -> dict[str, float]:
+    # policy/successor are distributions whose samples stand in for expectations: sample at T=1.
+    # backup/evaluator/refiner are "operators" whose output format must be reliable: a cooler T.
+    return {"policy": 1.0, "successor": 1.0, "backup": 0.7, "evaluator": 0.7, "refiner": 0.7}
+
+
+def _default_max_new_tokens() -> dict[str, int]:
+    return {"policy": 512, "successor": 384, "backup": 384, "evaluator": 512, "refiner": 512}
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@gin.configurable(module="nlac")
+@dataclasses.dataclass(frozen=True)
+class RoleSampling:
+    """How every role is sampled: the one place for temperatures, top-p and token budgets.
+
+    Attributes:
+      temperatures: role -> temperature (0 = greedy). Needs a 'policy' entry; a role without an entry uses it.
+      max_new_tokens: role -> generation budget in tokens (same fallback). Prompts are fitted to the context
+        minus these budgets, so they are also the longest target a role's prompt is trained with.
+      top_p: nucleus sampling for every role (1 = off).
+      eval_temperature: the policy's temperature during held-out evaluation (0 = greedy); see :meth:`evaluation`.
+    """
+
+    temperatures: dict = dataclasses.field(default_factory=_default_temperatures)
+    max_new_tokens: dict = dataclasses.field(default_factory=_default_max_new_tokens)
+    top_p: float = 1.0
+    eval_temperature: float = 0.0
+
+    def __post_init__(self):
+        # refused at start-up by field, role and value (a NaN temperature samples garbage, hours into a run)
+        for field, want in (("temperatures", "a finite number >= 0"), ("max_new_tokens", "an integer >= 1")):
+            d = getattr(self, field)
+            if not isinstance(d, dict):
+                raise TypeError(f"RoleSampling.{field} = {d!r}: expected a dict role -> {want}")
+            unknown = [r for r in d if r not in CHAT_ROLES]
+            if unknown or "policy" not in d:  # a typo'd role would be ignored; roles without an entry use 'policy'
+                raise ValueError(f"RoleSampling.{field} = {d!r}: needs a 'policy' entry and only the roles "
+                                 f"{list(CHAT_ROLES)}" + (f" (unknown: {unknown})" if unknown else ""))
+            for role, v in d.items():
+                if field == "temperatures":
+                    ok = _is_real(v) and math.isfinite(v) and v >= 0
+                else:
+                    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                if not ok:
+                    raise ValueError(f"RoleSampling.{field}[{role!r}] = {v!r}: expected {want}")
+        for name, want, ok in (
+            ("top_p", "a number in (0, 1] (1 = off)", lambda v: 0.0 < v <= 1.0),
+            ("eval_temperature", "a finite number >= 0 (0 = greedy)", lambda v: v >= 0.0),
+        ):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise TypeError(f"RoleSampling.{name} = {v!r}: expected {want}")
+            if not (math.isfinite(v) and ok(v)):
+                raise ValueError(f"RoleSampling.{name} = {v!r}: expected {want}")
+
+    def temperature(self, role: str) -> float:
+        """The role's temperature (the 'policy' entry for a role without one)."""
+        return float(self.temperatures[role] if role in self.temperatures else self.temperatures["policy"])
+
+    def budget(self, role: str) -> int:
+        """The role's ``max_new_tokens`` (the 'policy' entry for a role without one)."""
+        return int(self.max_new_tokens[role] if role in self.max_new_tokens else self.max_new_tokens["policy"])
+
+    def evaluation(self) -> "RoleSampling":
+        """The settings for held-out evaluation: the policy at ``eval_temperature``, every other role unchanged.
+
+        Every role's temperature is written out first, so roles that fell back to the 'policy' entry keep the
+        training value instead of following the policy to ``eval_temperature``.
+        """
+        temps = {r: self.temperature(r) for r in CHAT_ROLES}
+        temps["policy"] = float(self.eval_temperature)
+        return dataclasses.replace(self, temperatures=temps)
+
+
+@runtime_checkable
+class RoleSampler(Protocol):
+    """Generates completions per role (see the module docstring for the flat, prompt-major order).
+
+    ``settings`` are the sampler's own :class:`RoleSampling`; they apply whenever ``sample`` gets none.
+    """
+
+    settings: RoleSampling
+
+    def sample(
+        self,
+        messages_batch: list[list[dict]],
+        params: ParamsName,
+        role: str,
+        n: int = 1,
+        settings: RoleSampling | None = None,
+    ) -> list[Completion]:
+        """``n`` completions per chat prompt, flattened prompt-major (``len(messages_batch) * n`` of them),
+        sampled with ``settings`` (default: ``self.settings``) for ``role``."""
+        ...
+
+
+_T = TypeVar("_T")
+
+
+def group(flat: Sequence[_T], n: int) -> list[list[_T]]:
+    """Regroups a flat prompt-major sample list into ``[[n samples of prompt 0], [prompt 1], ...]``."""
+    if n <= 0 or len(flat) % n:
+        raise ValueError(f"{len(flat)} samples cannot be split into groups of {n}")
+    return [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+
+
+def texts(completions: Sequence[Completion]) -> list[str]:
+    """The texts of ``completions``, in order (for callers that do not care why generation stopped)."""
+    return [c.text for c in completions]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerCall:
+    """One recorded :meth:`ScriptedRoleSampler.sample` call (messages deep-copied at call time)."""
+
+    role: str
+    params: str
+    messages_batch: list
+    n: int
+    outputs: list  # the Completions returned
+    settings: RoleSampling  # the settings the call was sampled with (the sampler's own unless overridden)
+
+    @property
+    def temperature(self) -> float:
+        """The temperature this call's role was sampled at."""
+        return self.settings.temperature(self.role)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The token budget this call's role was sampled with."""
+        return self.settings.budget(self.role)
+
+    def user_texts(self) -> list[str]:
+        """All message contents of each prompt joined, one string per prompt (handy for ``in`` asserts)."""
+        return ["\n".join(str(m.get("content", "")) for m in msgs) for msgs in self.messages_batch]
+
+    def output_texts(self) -> list[str]:
+        """The texts of the returned completions, flat and prompt-major."""
+        return texts(self.outputs)
+
+
+Scripted = str | Completion
+Response = Scripted | Sequence[Scripted] | Callable[[list[dict], int], Scripted]
+
+
+def _as_completion(r: Any) -> Completion:
+    # plain strings are finished texts; a Completion scripts its own stop reason
+    return r if isinstance(r, Completion) else Completion(str(r), "stop_token")
+
+
+class ScriptedRoleSampler:
+    """A :class:`RoleSampler` for tests: canned responses per role, and a log of every call.
+
+    ``responses[role]`` is one of:
+      * a string or a :class:`Completion`: returned for every sample;
+      * a list of them: consumed in order across calls (cycled when exhausted);
+      * a callable ``fn(messages, sample_index) -> str | Completion``: computed from the prompt, e.g. to echo it.
+    A plain string is returned as ``Completion(text, 'stop_token')``; script a ``Completion`` to choose the stop
+    reason (e.g. ``Completion(text, 'length')`` for a cut-off text). Roles without an entry return ``default``
+    (raise if ``default`` is None). ``calls`` records every call as a :class:`SamplerCall`, in order, with the
+    settings it would have been sampled with (``settings``: default ``RoleSampling()``, so gin bindings apply).
+    """
+
+    def __init__(self, responses: Mapping[str, Response] | None = None, default: Scripted | None = None,
+                 settings: RoleSampling | None = None):
+        self.responses = dict(responses or {})
+        self.default = default
+        self.settings = settings if settings is not None else RoleSampling()
+        self.calls: list[SamplerCall] = []
+        self._cursor: dict[str, int] = {}
+
+    def _next(self, role: str, messages: list[dict], j: int) -> Completion:
+        r = self.responses.get(role, self.default)
+        if r is None:
+            raise KeyError(f"ScriptedRoleSampler has no response for role {role!r}")
+        if callable(r):
+            return _as_completion(r(messages, j))
+        if isinstance(r, (str, Completion)):
+            return _as_completion(r)
+        r = list(r)
+        i = self._cursor.get(role, 0)
+        self._cursor[role] = i + 1
+        return _as_completion(r[i % len(r)])
+
+    def sample(
+        self,
+        messages_batch: list[list[dict]],
+        params: ParamsName,
+        role: str,
+        n: int = 1,
+        settings: RoleSampling | None = None,
+    ) -> list[Completion]:
+        """Returns scripted completions (flat, prompt-major) and records the call (its settings included)."""
+        if params not in PARAMS_NAMES:
+            raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        outputs = [self._next(role, msgs, j) for msgs in messages_batch for j in range(n)]
+        self.calls.append(
+            SamplerCall(role=role, params=params, messages_batch=copy.deepcopy(list(messages_batch)), n=n,
+                        outputs=list(outputs), settings=self.settings if settings is None else settings)
+        )
+        return outputs
+
+    def calls_for(self, role: str) -> list[SamplerCall]:
+        """The recorded calls for ``role``, in order."""
+        return [c for c in self.calls if c.role == role]
+
+    def call_counts(self) -> dict[str, int]:
+        """Number of calls per role."""
+        out: dict[str, int] = {}
+        for c in self.calls:
+            out[c.role] = out.get(c.role, 0) + 1
+        return out
+
+    def reset(self) -> None:
+        """Forgets recorded calls and list cursors."""
+        self.calls.clear()
+        self._cursor.clear()
+
+
+def check_samples(outputs: Any, expected: int, role: str) -> list[Completion]:
+    """Validates a sampler's return value (a flat list of ``expected`` :class:`Completion`) with a clear error.
+
+    Plain strings are refused rather than assumed finished: a sampler that drops its stop reasons would let
+    cut-off texts become training targets.
+    """
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != expected:
+        got = len(outputs) if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+        raise ValueError(f"RoleSampler returned {got} completions for role {role!r}; expected a flat list of {expected}")
+    bad = next((o for o in outputs if not isinstance(o, Completion)), None)
+    if bad is not None:
+        raise TypeError(f"RoleSampler returned a {type(bad).__name__} for role {role!r}; expected Completion "
+                        "(text + stop_reason)")
+    return list(outputs)
