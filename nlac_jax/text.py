@@ -20,8 +20,10 @@ import numpy as np
 KIND_CRITIC = 0  # successor prompt -> target summary d*
 KIND_POLICY = 1  # policy prompt -> refined action a^r
 
-# Turn-end / end-of-text markers of the model families we support (Qwen ChatML, Llama 3).
-_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+# The chat tokens that close an assistant turn in the supported families' templates (ChatML: Qwen2/3; Llama 3;
+# Gemma 3), in lookup order; tests check that every family's `turn_end_token` is here or is its eos.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+_STOP_TOKENS = TURN_END_TOKENS + ("<|endoftext|>",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -97,7 +99,8 @@ def _token_id(tokenizer, token: str) -> int | None:
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """Ids that end a generation: eos first, then `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>` where present (dedup)."""
+    """Ids that end a generation: eos first, then the turn-end tokens (TURN_END_TOKENS) and `<|endoftext|>` where
+    present (dedup)."""
     ids: list[int] = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
@@ -109,13 +112,14 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def turn_end_token_id(tokenizer) -> int:
-    """The token that closes an assistant turn: `<|im_end|>` (ChatML) or `<|eot_id|>` (Llama 3) if present, else eos."""
-    for tok in ("<|im_end|>", "<|eot_id|>"):
+    """The token that closes an assistant turn: the first of TURN_END_TOKENS the tokenizer has (`<|im_end|>` ChatML,
+    `<|eot_id|>` Llama 3, `<end_of_turn>` Gemma), else eos."""
+    for tok in TURN_END_TOKENS:
         tid = _token_id(tokenizer, tok)
         if tid is not None:
             return tid
     if tokenizer.eos_token_id is None:
-        raise ValueError("tokenizer has neither <|im_end|>/<|eot_id|> nor an eos token to end a turn")
+        raise ValueError(f"tokenizer has none of {list(TURN_END_TOKENS)} and no eos token to end a turn")
     return int(tokenizer.eos_token_id)
 
 

@@ -28,6 +28,23 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# Gemma-style turns (the same three special ids, renamed; see make_tiny_tokenizer(chat_format='gemma')). Gemma has no
+# system role: a leading system message is folded into the first user turn, and roles must alternate.
+GEMMA_TOKENS = {ENDOFTEXT: "<eos>", IM_START: "<start_of_turn>", IM_END: "<end_of_turn>"}
+GEMMA_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+    "{%- endif -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + (prefix if loop.first else '') + message['content'] + '<end_of_turn>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+
 # Qwen2-style ChatML without a default system message.
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -210,7 +227,8 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512) -> transformers.PreTrainedTokenizerFast:
+def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512,
+                        chat_format: str = "chatml") -> transformers.PreTrainedTokenizerFast:
     """Return a fresh Qwen2-style tokenizer with `len(tokenizer) == vocab_size`, trained in-process (cached).
 
     Special tokens: `<|endoftext|>` is eos and pad (as in a Qwen2 base model); `<|im_start|>` / `<|im_end|>` delimit
@@ -220,21 +238,30 @@ def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512) -> tr
     If `out_dir` is given, also write a complete HF tokenizer directory there (tokenizer.json, tokenizer_config.json
     including the chat template, special_tokens_map.json) that `AutoTokenizer.from_pretrained(out_dir)` loads offline
     with identical ids.
+
+    chat_format='gemma': the same ids with Gemma's special tokens (`<eos>`, `<start_of_turn>`, `<end_of_turn>`) and
+    a Gemma-style template (no system role: folded into the first user turn; alternating roles enforced).
     """
+    if chat_format not in ("chatml", "gemma"):
+        raise ValueError(f"chat_format={chat_format!r} is not one of chatml|gemma")
+    names = GEMMA_TOKENS if chat_format == "gemma" else {t: t for t in SPECIAL_TOKENS}
+    spec = json.loads(_trained_tokenizer_json(int(vocab_size)))
+    for added in spec["added_tokens"]:
+        added["content"] = names.get(added["content"], added["content"])
     # A new wrapper per call: callers may mutate their tokenizer (padding side, added tokens) without affecting others.
-    backend = Tokenizer.from_str(_trained_tokenizer_json(int(vocab_size)))
+    backend = Tokenizer.from_str(json.dumps(spec))
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=None,
-        eos_token=ENDOFTEXT,
-        pad_token=ENDOFTEXT,
+        eos_token=names[ENDOFTEXT],
+        pad_token=names[ENDOFTEXT],
         unk_token=None,
-        extra_special_tokens=[IM_START, IM_END],
+        extra_special_tokens=[names[IM_START], names[IM_END]],
         model_max_length=_MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
         padding_side="right",
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = GEMMA_TEMPLATE if chat_format == "gemma" else CHATML_TEMPLATE
     if out_dir is not None:
         save_tiny_tokenizer(tokenizer, out_dir)
     return tokenizer
@@ -246,7 +273,8 @@ def save_tiny_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, out_dir
     # save_jinja_files=False: keep the template in tokenizer_config.json (what older loaders and Qwen repos use).
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     # transformers 5 no longer writes special_tokens_map.json; write it for older tooling that reads it.
-    special = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END]}
+    special = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+               "additional_special_tokens": [t for t in tokenizer.all_special_tokens if t != tokenizer.eos_token]}
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
         json.dump(special, f, indent=2)
         f.write("\n")
