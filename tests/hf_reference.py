@@ -1,5 +1,6 @@
 """Random tiny transformers (PyTorch) models saved as HF directories: the independent reference for parity tests."""
 
+import numpy as np
 import torch
 import transformers
 
@@ -48,3 +49,60 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, std: float = 0.15, *
                 p.normal_(0.0, std)
     hm.save_pretrained(out_dir)
     return hm
+
+
+def hf_logits(hm, ids, mask):
+    """The reference model's float32 logits [B, T, V] for int ids/mask [B, T]."""
+    with torch.no_grad():
+        return hm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def batch(vocab, lens, total, seed=0, left=True):
+    """Random ids in [1, vocab) with left (or right) padding: ids [B, total], mask [B, total]."""
+    rng = np.random.RandomState(seed)
+    ids = np.zeros((len(lens), total), np.int64)
+    mask = np.zeros_like(ids)
+    for b, n in enumerate(lens):
+        sl = slice(total - n, total) if left else slice(0, n)
+        ids[b, sl] = rng.randint(1, vocab, n)
+        mask[b, sl] = 1
+    return ids, mask
+
+
+def hf_greedy(hm, prompt_list, n_new):
+    """transformers' greedy `generate` of exactly n_new tokens per left-padded prompt (no eos): [B, n_new]."""
+    T = max(map(len, prompt_list))
+    ids = np.zeros((len(prompt_list), T), np.int64)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompt_list):
+        ids[b, T - len(p):] = p
+        mask[b, T - len(p):] = 1
+    hm.generation_config.eos_token_id = None
+    hm.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = hm.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                          max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
+    return out[:, T:].numpy()
+
+
+def refusal_message(family: str, out_dir: str, patch: dict) -> str:
+    """Write a tiny `family` model, apply `patch` to its config.json, load it with ours: the ConfigError's message
+    (which must be one line)."""
+    import json
+    import os
+
+    import pytest
+
+    from nlac_jax import models
+    make_hf_model(family, out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(patch)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(models.ConfigError) as e:
+        models.load_pretrained(out_dir)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg

@@ -68,7 +68,7 @@ def test_summary_condenses_the_far_future():
     task = GuessNumberTaskSource(N).tasks("train")[0]  # target 1: guessing from the top takes many turns
     env = GuessNumberEnv(n=N)
     guesses = iter(["90", "80", "70", "60", "50", "40", "30"])
-    traj = C._play(env, task, lambda h: next(guesses))
+    traj = C.play_episode(env, task, lambda h: next(guesses))
     text = C.future_summary(traj, ps)
     assert text == ("Reply: lower. Next guess 80: lower. Next guess 70: lower. Next guess 60: lower. "
                     "Then 3 more guesses. Final reply: lower, out of guesses.\nOutcome: failure; Return: 0")

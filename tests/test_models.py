@@ -13,7 +13,7 @@ import transformers
 from nlac_jax import models, sharding
 from nlac_jax.models import hf_io
 
-from hf_reference import make_hf_model
+from hf_reference import batch, hf_logits, make_hf_model, refusal_message
 
 TOL = 1e-4
 
@@ -27,23 +27,6 @@ CONFIGS = [
     ("llama_mqa_untied_hd12", "llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=12,
                                             tie_word_embeddings=False)),
 ]
-
-
-def hf_logits(hm, ids, mask):
-    with torch.no_grad():
-        return hm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
-
-
-def batch(vocab, lens, total, seed=0, left=True):
-    """Random ids with left (or right) padding: ids [B, total], mask [B, total]."""
-    rng = np.random.RandomState(seed)
-    ids = np.zeros((len(lens), total), np.int64)
-    mask = np.zeros_like(ids)
-    for b, n in enumerate(lens):
-        sl = slice(total - n, total) if left else slice(0, n)
-        ids[b, sl] = rng.randint(1, vocab, n)
-        mask[b, sl] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("name,family,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -255,13 +238,7 @@ def test_pickle_only_checkpoint_refused(tmp_path):
     ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
 ])
 def test_unsupported_config_refused(tmp_path, patch, field):
-    make_hf_model("qwen2", str(tmp_path))
-    cfg = json.load(open(tmp_path / "config.json"))
-    cfg.update(patch)
-    json.dump(cfg, open(tmp_path / "config.json", "w"))
-    with pytest.raises(models.ConfigError) as e:
-        models.load_pretrained(str(tmp_path))
-    msg = _one_line(e)
+    msg = refusal_message("qwen2", str(tmp_path), patch)
     assert field in msg and "config.json" in msg
 
 

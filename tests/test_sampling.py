@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from nlac_jax import models, sampling, sharding, tiny
 
-from hf_reference import make_hf_model
+from hf_reference import hf_greedy, make_hf_model
 
 VOCAB = 512  # = the tiny tokenizer's vocabulary
 N_NEW = 32
@@ -30,21 +29,6 @@ def make_hf(family: str, out_dir: str, seed: int = 0, std: float = 0.5, **overri
 def prompts(seed=0, lens=LENS):
     rng = np.random.RandomState(seed)
     return [rng.randint(0, VOCAB - 3, n).tolist() for n in lens]
-
-
-def hf_greedy(hm, prompt_list, n_new):
-    T = max(map(len, prompt_list))
-    ids = np.zeros((len(prompt_list), T), np.int64)
-    mask = np.zeros_like(ids)
-    for b, p in enumerate(prompt_list):
-        ids[b, T - len(p):] = p
-        mask[b, T - len(p):] = 1
-    hm.generation_config.eos_token_id = None
-    hm.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        out = hm.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
-                          max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
-    return out[:, T:].numpy()
 
 
 @pytest.fixture(scope="module")

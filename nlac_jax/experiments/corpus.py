@@ -124,7 +124,8 @@ def consistent_interval(history: Sequence[dict], n: int) -> tuple[int, int, int,
     return lo, hi, used, guesses
 
 
-def _check_mix(mix: Sequence[float]) -> tuple[float, float, float]:
+def check_mix(mix: Sequence[float]) -> tuple[float, float, float]:
+    """The three behaviour-mix weights as floats; refused unless non-negative and not all zero (relative weights)."""
     if len(mix) != 3 or any(p < 0 for p in mix) or sum(mix) <= 0:
         raise ValueError(f"mix must be three non-negative weights (bisect, linear, wild), got {mix!r}")
     return tuple(float(p) for p in mix)  # type: ignore[return-value]
@@ -138,7 +139,7 @@ def behaviour_action(history: Sequence[dict], n: int, rng: random.Random,
     interval, or the last guess moved 1-3 steps towards the interval (clipped into it); wild: a uniform guess in
     [1, n] (often inconsistent), or a repeat of an earlier guess.
     """
-    p_bisect, p_linear, p_wild = _check_mix(mix)
+    p_bisect, p_linear, p_wild = check_mix(mix)
     lo, hi, _, guesses = consistent_interval(history, n)
     if lo > hi:  # cannot happen with truthful feedback; stay total anyway
         lo, hi = 1, n
@@ -274,7 +275,7 @@ def future_summary(future: Sequence[Transition], ps: PromptSet, cfg: Optional[Ta
 # ------------------------------------------------------------------------------------------- playing
 
 
-def _play(env, task: Task, chooser: Callable[[list], str], task_name: str = TASK_NAME) -> list[Transition]:
+def play_episode(env, task: Task, chooser: Callable[[list], str], task_name: str = TASK_NAME) -> list[Transition]:
     """One full episode with the real runner; returns NLAC's Transitions (prompt-set name ``task_name``)."""
     runner = BatchedRunner([env], lambda histories: [chooser(h) for h in histories])
     (episode,) = runner.run([task])
@@ -360,14 +361,14 @@ def play_behaviour_episodes(tasks: Sequence[Task], n: int, num_episodes: int, se
                             max_turns: Optional[int] = None) -> list[tuple[Task, list[Transition]]]:
     """The corpus's behaviour episodes: (task, NLAC Transitions) for ``num_episodes`` tasks drawn from ``tasks``
     (cycled, reshuffled every epoch from ``seed``); episode i uses its own RNG stream, so it is reproducible."""
-    mix = _check_mix(mix)
+    mix = check_mix(mix)
     if num_episodes <= 0:
         return []
     env = GuessNumberEnv(n=n, max_turns=max_turns)
     out = []
     for ep, task in enumerate(TaskCursor(list(tasks), "corpus", seed).take(num_episodes)):
         rng = random.Random(f"toy-corpus:{seed}:{ep}")
-        out.append((task, _play(env, task, _behaviour_chooser(n, rng, mix))))
+        out.append((task, play_episode(env, task, _behaviour_chooser(n, rng, mix))))
     return out
 
 
@@ -385,7 +386,7 @@ def build_toy_examples(tasks: Sequence[Task], n: int, num_episodes: int, seed: i
     alternative_successors: also add successor examples for those counterfactual futures.
     p_non_number: chance that an alternative is a non-number text (teaches the "is not a number" critique).
     """
-    mix = _check_mix(mix)
+    mix = check_mix(mix)
     ps = prompts if prompts is not None else PromptSet(task=TASK_NAME)
     cfg = target_cfg or TargetConfig()
     if num_episodes <= 0:
@@ -405,7 +406,7 @@ def build_toy_examples(tasks: Sequence[Task], n: int, num_episodes: int, seed: i
             for j in range(alternatives_per_state):
                 arng = random.Random(f"toy-corpus:{seed}:{ep}:{t}:alt{j}")
                 alt = _alternative_action(tr.state, tr.action, n, arng, mix, p_non_number)
-                cf = _play(env, task, _behaviour_chooser(n, arng, mix, prefix=actions[:t] + [alt]))
+                cf = play_episode(env, task, _behaviour_chooser(n, arng, mix, prefix=actions[:t] + [alt]))
                 assert cf[t].state == tr.state  # the env is deterministic: same prefix, same state
                 d_alt = future_summary(cf[t:], ps, cfg)
                 cf_rtg = sum(float(x.reward) for x in cf[t:])
@@ -492,13 +493,13 @@ def reference_success_rates(n: int, tasks: Sequence[Task], seed: int = 0, mix: S
     wins = {"behaviour": 0, "scripted_refiner": 0}
     for i, task in enumerate(tasks):
         rng = random.Random(f"toy-reference:{seed}:{i}")
-        wins["behaviour"] += bool(_play(env, task, _behaviour_chooser(n, rng, _check_mix(mix)))[-1].success)
+        wins["behaviour"] += bool(play_episode(env, task, _behaviour_chooser(n, rng, check_mix(mix)))[-1].success)
         judge = _judge(n, max_turns, task)
 
         def refine(history: list, judge=judge) -> str:
             x, y = good_range(judge, history)
             return str((x + y) // 2)
-        wins["scripted_refiner"] += bool(_play(env, task, refine)[-1].success)
+        wins["scripted_refiner"] += bool(play_episode(env, task, refine)[-1].success)
     k = max(len(tasks), 1)
     return {"episodes": len(tasks), "behaviour": wins["behaviour"] / k,
             "scripted_refiner": wins["scripted_refiner"] / k}

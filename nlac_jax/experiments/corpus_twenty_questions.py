@@ -43,7 +43,7 @@ from nlac_jax.envs.base import Task, TaskCursor
 from nlac_jax.envs.twenty_questions import (CANT, DEFAULT_OBJECTS_PATH, NO, YES, ObjectTable, ScriptedOracle,
                                             TwentyQuestionsEnv, TwentyQuestionsTaskSource, canonical_question,
                                             load_object_table, names_object)
-from nlac_jax.experiments.corpus import (DETAIL_GUESSES, CorpusExample, _check_mix, _play,
+from nlac_jax.experiments.corpus import (DETAIL_GUESSES, CorpusExample, check_mix, play_episode,
                                          critic_and_policy_examples, terminal_summary)
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
@@ -205,7 +205,7 @@ def critique(bank: QuestionBank, state: Sequence[dict], question: str) -> tuple[
 def behaviour_question(bank: QuestionBank, history: Sequence[dict], rng: random.Random,
                        mix: Sequence[float] = DEFAULT_MIX) -> str:
     """One question of the suboptimal behaviour policy, from the answers in ``history`` only."""
-    p_best, p_random, p_guess = _check_mix(mix)
+    p_best, p_random, p_guess = check_mix(mix)
     cand = candidates(bank, history)
     u = rng.random() * (p_best + p_random + p_guess)
     if u < p_best:
@@ -269,14 +269,14 @@ def play_behaviour_games(tasks: Sequence[Task], num_episodes: int, seed: int, mi
                          ) -> list[tuple[Task, list[Transition]]]:
     """The corpus's behaviour games: (task, NLAC Transitions) for ``num_episodes`` tasks drawn from ``tasks``
     (cycled, reshuffled every epoch from ``seed``); game i uses its own RNG stream."""
-    mix = _check_mix(mix)
+    mix = check_mix(mix)
     source = task_source if task_source is not None else TwentyQuestionsTaskSource()
     bank = QuestionBank(source.table)
     env = TwentyQuestionsEnv(ScriptedOracle(source.table), max_questions=max_questions)
     out = []
     for ep, task in enumerate(TaskCursor(list(tasks), "corpus", seed).take(max(num_episodes, 0))):
         rng = random.Random(f"20q-corpus:{seed}:{ep}")
-        out.append((task, _play(env, task, _chooser(bank, rng, mix), TASK_NAME)))
+        out.append((task, play_episode(env, task, _chooser(bank, rng, mix), TASK_NAME)))
     return out
 
 
@@ -288,7 +288,7 @@ def twenty_questions_corpus(num_episodes: int, seed: int, mix: Sequence[float] =
     """Examples for every role from ``num_episodes`` behaviour games on TRAIN objects (deterministic given the
     arguments). ``tasks`` overrides the task list (evaluation on held-out objects only: never train on those).
     Alternatives get evaluator + refiner examples with counterfactually played futures, as in the toy corpus."""
-    mix = _check_mix(mix)
+    mix = check_mix(mix)
     source = task_source if task_source is not None else TwentyQuestionsTaskSource()
     tasks = list(tasks) if tasks is not None else _train_tasks(source)
     bank = QuestionBank(source.table)
@@ -313,7 +313,7 @@ def twenty_questions_corpus(num_episodes: int, seed: int, mix: Sequence[float] =
                     alt = behaviour_question(bank, tr.state, arng, mix)
                     if alt != tr.action:
                         break
-                cf = _play(env, task, _chooser(bank, arng, mix, prefix=actions[:t] + [alt]), TASK_NAME)
+                cf = play_episode(env, task, _chooser(bank, arng, mix, prefix=actions[:t] + [alt]), TASK_NAME)
                 assert cf[t].state == tr.state
                 ameta = dict(meta, source="alternative", episode_success=bool(cf[-1].success),
                              return_to_go=sum(float(x.reward) for x in cf[t:]))
@@ -341,8 +341,8 @@ def twenty_questions_reference(tasks: Sequence[Task], seed: int = 0, mix: Sequen
     res = {"behaviour": [], "scripted_refiner": []}
     for i, task in enumerate(tasks):
         rng = random.Random(f"20q-reference:{seed}:{i}")
-        res["behaviour"].append(_play(env, task, _chooser(bank, rng, mix), TASK_NAME))
-        res["scripted_refiner"].append(_play(env, task, lambda h: _best(bank, candidates(bank, h))[0], TASK_NAME))
+        res["behaviour"].append(play_episode(env, task, _chooser(bank, rng, mix), TASK_NAME))
+        res["scripted_refiner"].append(play_episode(env, task, lambda h: _best(bank, candidates(bank, h))[0], TASK_NAME))
     k = max(len(tasks), 1)
     out = {"episodes": len(tasks)}
     for name, trajs in res.items():
