@@ -22,6 +22,7 @@ from typing import Any
 
 import gin
 
+from nlac_jax import compilations
 # At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.* and
 # ExternalModel.*, and this import is what registers them (before the files are parsed).
 from nlac_jax.metrics import MetricsWriter, summary_table
@@ -330,6 +331,7 @@ class NLACRun:
         from nlac_jax.rl import rollout
         np, loop, m = self._np, self.loop, {"iteration": it + 1}
         learner = learner or self.learner
+        compiled_before = compilations.snapshot()
 
         # collect
         t0 = time.perf_counter()
@@ -382,6 +384,11 @@ class NLACRun:
         # eval
         if (it + 1) % loop.eval_every == 0 or it + 1 == loop.iterations:
             m.update(self.evaluate(it, bars))
+        new = compilations.since(compiled_before)
+        m["compile/count"] = sum(new.values())
+        if new and it > self.start_iteration:  # the first iteration compiles everything; later ones should not
+            log.warning("iteration %d compiled %d new executable(s): %s", it + 1, sum(new.values()),
+                        ", ".join(f"{k} x{v}" for k, v in sorted(new.items())))
         return m, dump
 
     def evaluate(self, it: int, bars=lambda phase: None, params: str = "policy") -> dict:
@@ -394,6 +401,7 @@ class NLACRun:
                                 params=params,
                                 calibration_transitions=self.loop.calibration_transitions,
                                 max_turns=self.loop.max_turns)
+        m.update(self.roles.counters.as_dict("eval/gen/"))
         m.update(self.fitter.reset_counters().as_dict("eval/prompt/"))
         m["time/eval"] = time.perf_counter() - t0
         return m

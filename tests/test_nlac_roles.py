@@ -70,8 +70,9 @@ class FakeSampler:
     def generate(self, weights, prompts, **kw):
         self.calls.append((weights, len(prompts), kw))
         rows, self.rows = self.rows[: len(prompts)], self.rows[len(prompts):]
+        lengths = np.array([len(t) for t, _ in rows])
         return types.SimpleNamespace(texts=[t for t, _ in rows], stop_reason=[r for _, r in rows],
-                                     lengths=np.array([len(t) for t, _ in rows]))
+                                     lengths=lengths, token_slots=int(2 * lengths.sum()))
 
 
 def test_model_role_sampler_passes_the_stop_reason_through():
@@ -87,9 +88,11 @@ def test_model_role_sampler_passes_the_stop_reason_through():
     assert out == [Completion("done.", "stop_token"), Completion("cut off mid", "length"),
                    Completion("Verdict: x", "stop_string"), Completion("full context", "context_full")]
     assert [c.truncated for c in out] == [False, True, False, True]
-    # split by max_batch, θ̄ requested, the call's settings win over the sampler's
-    assert [(w, n, kw["temperature"], kw["max_new_tokens"]) for w, n, kw in fake.calls] == [
-        ("W-target", 3, 0.0, 8), ("W-target", 1, 0.0, 8)]
+    # one call (the sampler runs max_batch slots, continuous batching beyond), θ̄ requested, the call's settings
+    # win over the sampler's
+    assert [(w, n, kw["temperature"], kw["max_new_tokens"], kw["slots"]) for w, n, kw in fake.calls] == [
+        ("W-target", 4, 0.0, 8, 3)]
+    assert roles.counters.as_dict()["gen/backup/useful_token_fraction"] == 0.5
     assert fake.calls[0][2]["stop_token_ids"] == text.stop_token_ids(tok)
     assert roles.counters.stop_reasons == {"backup/stop_token": 1, "backup/length": 1, "backup/stop_string": 1,
                                            "backup/context_full": 1}

@@ -145,6 +145,16 @@ def attention_mask_bias(q_slot: Array, kv_mask: Array, window: int | None = None
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
 
 
+def write_slots(buf: Array, new: Array, index: Array) -> Array:
+    """buf [B, S, ...] with new [B, T, ...] written at slots index..index+T-1: `index` an int32 scalar (every row at
+    the same slot: one in-place dynamic_update_slice) or [B] (a slot per row: continuous batching, where rows
+    restart at different times)."""
+    new = new.astype(buf.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(buf, new, (0, index) + (0,) * (buf.ndim - 2))
+    return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice(b, n, (i,) + (0,) * (b.ndim - 1)))(buf, new, index)
+
+
 def softcap(x: Array, cap: float | None) -> Array:
     """cap * tanh(x / cap) (Gemma's logit soft-cap); x unchanged when cap is None."""
     return x if cap is None else jnp.tanh(x / cap) * cap
@@ -240,8 +250,8 @@ class Attention(nn.Module):
 
         new_cache = None
         if layer_cache is not None:
-            ck = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype), (0, cache_index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, cache_index, 0, 0))
+            ck = write_slots(layer_cache["k"], k, cache_index)
+            cv = write_slots(layer_cache["v"], v, cache_index)
             new_cache = {"k": ck, "v": cv}
             k, v = ck.astype(dt), cv.astype(dt)
 
@@ -335,8 +345,8 @@ class CausalLM(nn.Module):
 
         tokens, positions, attention_mask: int32 [B, T] (attention_mask 1 = real token, 0 = padding).
         cache: None, or init_cache(cfg, ...): {'k','v': [L, B, S, K, D] (scan_layers) or L-tuples of [B, S, K, D],
-          'mask': [B, S] int32, 'index': int32 scalar}: the T tokens are written at slots index..index+T-1 and
-          attend to every valid earlier slot (within the window on sliding layers).
+          'mask': [B, S] int32, 'index': int32 scalar or [B] per row}: the T tokens are written at slots
+          index..index+T-1 and attend to every valid earlier slot (within the window on sliding layers).
         Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
         """
         cfg = self.cfg
@@ -350,9 +360,9 @@ class CausalLM(nn.Module):
             kv_mask, layer_caches = attention_mask, None
         else:
             index = cache["index"]
-            kv_mask = jax.lax.dynamic_update_slice(cache["mask"], attention_mask.astype(cache["mask"].dtype), (0, index))
+            kv_mask = write_slots(cache["mask"], attention_mask, index)
             layer_caches = {"k": cache["k"], "v": cache["v"]}
-        q_slot = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
+        q_slot = jnp.broadcast_to(jnp.expand_dims(index, -1) + jnp.arange(T, dtype=jnp.int32), (B, T))
         attn_in = {"full": rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                    + (attention_mask_bias(q_slot, kv_mask),)}
         sliding = tuple(t == "sliding" for t in cfg.layer_types) or (False,) * cfg.num_layers

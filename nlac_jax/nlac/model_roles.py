@@ -18,16 +18,19 @@ from nlac_jax.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling
 
 @dataclasses.dataclass
 class RoleCounters:
-    """Per-role generation counters (texts, generated tokens, seconds, truncated prompts), reset per phase."""
+    """Per-role generation counters (texts, generated tokens, token slots the sampler ran, seconds, stop reasons),
+    reset per phase. useful_token_fraction = tokens / slots: the share of decode slots that produced a kept token."""
 
     texts: dict = dataclasses.field(default_factory=dict)
     tokens: dict = dataclasses.field(default_factory=dict)
+    slots: dict = dataclasses.field(default_factory=dict)
     seconds: dict = dataclasses.field(default_factory=dict)
     stop_reasons: dict = dataclasses.field(default_factory=dict)
 
-    def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons) -> None:
+    def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons, n_slots: int = 0) -> None:
         self.texts[role] = self.texts.get(role, 0) + n_texts
         self.tokens[role] = self.tokens.get(role, 0) + n_tokens
+        self.slots[role] = self.slots.get(role, 0) + n_slots
         self.seconds[role] = self.seconds.get(role, 0.0) + seconds
         for r in reasons:
             key = f"{role}/{r}"
@@ -39,6 +42,9 @@ class RoleCounters:
             out[f"{prefix}{role}/tokens"] = n
             out[f"{prefix}{role}/texts"] = self.texts[role]
             out[f"{prefix}{role}/tokens_per_s"] = n / max(self.seconds[role], 1e-9)
+            out[f"{prefix}{role}/useful_token_fraction"] = n / max(self.slots[role], 1)
+        if self.tokens:
+            out[f"{prefix}useful_token_fraction"] = sum(self.tokens.values()) / max(sum(self.slots.values()), 1)
         for k, n in self.stop_reasons.items():
             out[f"{prefix}{k}"] = n
         return out
@@ -50,7 +56,8 @@ class ModelRoleSampler:
     get_params: 'policy' -> θ, 'target' -> θ̄ (called at every sample, so it always sees the current arrays).
     settings: the run's RoleSampling (per-role temperature and token budget, top_p); a call's own `settings`
       replace them for that call (held-out evaluation's greedy policy).
-    max_batch: prompts per sampler call (larger batches are split; each call's batch is bucketed to a power of 2).
+    max_batch: sampler slots: up to this many prompts decode at once; a larger batch runs with continuous batching
+      (finished rows are refilled with waiting prompts), so rows do not idle until the longest one ends.
     seed: base seed; call i of the current phase uses seed (seed, phase_seed, i): reproducible across resumes.
     """
 
@@ -81,14 +88,12 @@ class ModelRoleSampler:
         settings = self.settings if settings is None else settings
         temp, budget, top_p = settings.temperature(role), settings.budget(role), float(settings.top_p)
         weights = self.get_params(params)
-        out: list[Completion] = []
-        for start in range(0, len(prompts), self.max_batch):
-            chunk = prompts[start:start + self.max_batch]
-            seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
-            self._calls += 1
-            t0 = time.perf_counter()
-            res = self.sampler.generate(weights, chunk, max_new_tokens=budget, temperature=temp, top_p=top_p,
-                                        stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer)
-            self.counters.add(role, len(chunk), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason)
-            out.extend(Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True))
-        return out
+        seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
+        self._calls += 1
+        t0 = time.perf_counter()
+        res = self.sampler.generate(weights, prompts, max_new_tokens=budget, temperature=temp, top_p=top_p,
+                                    stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer,
+                                    slots=self.max_batch)
+        self.counters.add(role, len(prompts), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
+                          n_slots=res.token_slots)
+        return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]

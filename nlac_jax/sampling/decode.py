@@ -48,29 +48,35 @@ class DecodeState:
     reason: Array      # [B] int32 index into STOP_REASONS
     lengths: Array     # [B] int32 generated tokens (including the stop token)
     ss_state: Array    # [B] int32 stop-string automaton state
-    cache: dict        # KV cache: per-layer tuples (init_layer_cache) or the decoder layout; sharded by the cache rules
-    step: Array        # int32 scalar: tokens generated so far (= the column the next token goes to)
+    cache: dict        # KV cache in the model's layout (models.decoder.init_cache); sharded by the cache rules
+    step: Array        # int32 scalar: token-selection rounds run (prefill's first token + decode iterations)
     key: Array         # PRNG key of this call
+    row_id: Array      # [B] int32 the prompt each row holds (its randomness stream); -1 = empty slot
 
 
 def controls(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=1, max_context=1 << 30, stop_ids=None,
-              ss_table=None) -> dict:
+              ss_table=None, return_when_done=1 << 30) -> dict:
+    """The traced settings of one call (changing them never recompiles). return_when_done: the decode loop returns
+    to the host once this many rows are done (continuous batching refills them); default: when all are."""
     return dict(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p),
                 max_new=jnp.int32(max_new_tokens), max_context=jnp.int32(max_context),
+                return_when_done=jnp.int32(return_when_done),
                 stop_ids=jnp.full((MIN_STOP_SLOTS,), -1, jnp.int32) if stop_ids is None else stop_ids,
                 ss_table=jnp.zeros((1, 1), jnp.int32) if ss_table is None else ss_table)
 
 
 def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
-    """Pick the token for column st.step from logits [B, V]; update buffers, stop flags and reasons."""
-    col = st.step
-    tok = select_tokens(logits, st.key, col, ctl["temperature"], ctl["top_k"], ctl["top_p"])
+    """Pick each active row's next token from logits [B, V] (row b's column = lengths[b]: rows may have started at
+    different rounds); update buffers, stop flags and reasons."""
+    col = st.lengths
+    tok = select_tokens(logits, st.key, col, ctl["temperature"], ctl["top_k"], ctl["top_p"], rows=st.row_id)
     lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
     active = ~st.done
     tok = jnp.where(active, tok, 0)
     lp = jnp.where(active, lp, 0.0)
-    tokens = lax.dynamic_update_slice(st.tokens, tok[:, None], (0, col))
-    logprobs = lax.dynamic_update_slice(st.logprobs, lp[:, None].astype(st.logprobs.dtype), (0, col))
+    at_col = active[:, None] & (jnp.arange(st.tokens.shape[1])[None, :] == col[:, None])  # [B, N]
+    tokens = jnp.where(at_col, tok[:, None], st.tokens)
+    logprobs = jnp.where(at_col, lp[:, None].astype(st.logprobs.dtype), st.logprobs)
 
     is_stop = jnp.any(tok[:, None] == ctl["stop_ids"][None, :], axis=-1)
     table = ctl["ss_table"]
@@ -86,8 +92,7 @@ def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
     finishing = active & (new_reason != _RUNNING)
     return st.replace(tokens=tokens, logprobs=logprobs, last=jnp.where(active, tok, st.last),
                       done=st.done | finishing, reason=jnp.where(finishing, new_reason, st.reason),
-                      lengths=st.lengths + active.astype(jnp.int32), ss_state=jnp.where(active, ss_state, st.ss_state),
-                      step=st.step + 1)
+                      lengths=st.lengths + active.astype(jnp.int32), ss_state=jnp.where(active, ss_state, st.ss_state))
 
 
 def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int) -> DecodeState:
@@ -96,32 +101,79 @@ def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
     logits, cache = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket)
-
-    def batch(x, names):
-        return sharding.constrain(x, names)
-
     st = DecodeState(
-        tokens=batch(jnp.zeros((B, new_bucket), jnp.int32), ("batch", "length")),
-        logprobs=batch(jnp.zeros((B, new_bucket), jnp.float32), ("batch", "length")),
+        tokens=sharding.constrain(jnp.zeros((B, new_bucket), jnp.int32), ("batch", "length")),
+        logprobs=sharding.constrain(jnp.zeros((B, new_bucket), jnp.float32), ("batch", "length")),
         last=jnp.zeros((B,), jnp.int32), prompt_len=mask.sum(axis=-1).astype(jnp.int32),
         done=~row_live, reason=jnp.zeros((B,), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
-        ss_state=jnp.zeros((B,), jnp.int32), cache=cache, step=jnp.int32(0), key=key)
-    return _record(st, logits, ctl)
+        ss_state=jnp.zeros((B,), jnp.int32), cache=cache, step=jnp.int32(0), key=key,
+        row_id=jnp.arange(B, dtype=jnp.int32))
+    return _record(st, logits, ctl).replace(step=jnp.int32(1))  # round 1: the first token
 
 
 def decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
-    """Decode until every row is done or the budget is spent (one `lax.while_loop`, no host sync)."""
+    """Decode until every row is done, or until ctl['return_when_done'] rows are (one `lax.while_loop`, no host
+    sync). Every row stops by itself within its budget (max_new_tokens <= the new-token bucket)."""
     TRACE_COUNTS["decode"] += 1
-    limit = jnp.minimum(ctl["max_new"], st.tokens.shape[1])
     # the layer layout is computed ONCE per call (per-layer slices are loop invariants): each dot reads them in place
     params = decoder.layout_params(cfg, params)
 
     def cond(st):
-        return (st.step < limit) & ~jnp.all(st.done)
+        n_done = jnp.sum(st.done, dtype=jnp.int32)
+        return (n_done < st.done.shape[0]) & (n_done < ctl["return_when_done"])
 
     def body(st):
-        # feed the token of column step-1 at its position; the cache slot is the cache's own running index
-        logits, cache = decoder.decode_step(cfg, params, st.last, st.prompt_len + st.step - 1, st.cache)
-        return _record(st.replace(cache=cache), logits, ctl)
+        # feed each row's last token (its column lengths-1) at its position; the cache slot is the cache's own index
+        logits, cache = decoder.decode_step(cfg, params, st.last, st.prompt_len + st.lengths - 1, st.cache)
+        return _record(st.replace(cache=cache, step=st.step + 1), logits, ctl)
 
     return lax.while_loop(cond, body, st)
+
+
+# ------------------------------------------------------------------------------------- continuous batching
+# A fixed number of slots (rows); the host refills the slots of finished rows with waiting prompts between decode
+# calls, so no row idles until the longest one ends. Every row has its own cache index (models.decoder.write_slots).
+# Two executables serve a whole call whatever the number of prompts: `refill` (prefill R prompts straight into R
+# free slots) and `decode`.
+
+
+def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket: int) -> DecodeState:
+    """Every slot empty (done, row_id -1), a zero cache with a per-row index."""
+    TRACE_COUNTS["empty"] += 1
+    cache = decoder.init_cache(cfg, batch, cache_len)
+    cache["index"] = jnp.zeros((batch,), jnp.int32)
+    z = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(
+        tokens=sharding.constrain(jnp.zeros((batch, new_bucket), jnp.int32), ("batch", "length")),
+        logprobs=sharding.constrain(jnp.zeros((batch, new_bucket), jnp.float32), ("batch", "length")),
+        last=z, prompt_len=z, done=jnp.ones((batch,), bool), reason=z, lengths=z, ss_state=z,
+        cache=decoder.constrain_cache(cache), step=jnp.int32(0), key=key, row_id=z - 1)
+
+
+def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl) -> DecodeState:
+    """Prefill R prompts ids/mask [R, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
+    decode state, holding prompts row_ids [R], and pick their first tokens. Other rows are untouched."""
+    TRACE_COUNTS["refill"] += 1
+    B = st.done.shape[0]
+    S = st.cache["mask"].shape[1]
+    T = ids.shape[1]
+    logits, new = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, S)
+
+    def put(old, value, axis=0):
+        return old.at[(slice(None),) * axis + (slots,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
+
+    layer_axis = 0 if isinstance(st.cache["k"], (tuple, list)) else 1  # stacked caches: [L, B, S, K, D]
+    cache = {k: (tuple(put(o, n) for o, n in zip(st.cache[k], new[k])) if layer_axis == 0
+                 else put(st.cache[k], new[k], axis=1)) for k in ("k", "v")}
+    cache.update(mask=put(st.cache["mask"], new["mask"]), index=put(st.cache["index"], T))
+    zeros = jnp.zeros(slots.shape, jnp.int32)
+    replaced = put(jnp.zeros((B,), bool), True)
+    st2 = st.replace(
+        tokens=put(st.tokens, jnp.zeros((slots.shape[0], st.tokens.shape[1]), jnp.int32)),
+        logprobs=put(st.logprobs, jnp.zeros((slots.shape[0], st.logprobs.shape[1]), jnp.float32)),
+        last=put(st.last, zeros), prompt_len=put(st.prompt_len, mask.sum(axis=-1)), reason=put(st.reason, zeros),
+        lengths=put(st.lengths, zeros), ss_state=put(st.ss_state, zeros), row_id=put(st.row_id, row_ids),
+        cache=decoder.constrain_cache(cache), done=st.done & ~replaced)
+    full_logits = put(jnp.zeros((B, logits.shape[-1]), logits.dtype), logits)
+    rec = _record(st2.replace(done=st2.done | ~replaced), full_logits, ctl)  # only the new rows pick a token
+    return rec.replace(done=jnp.where(replaced, rec.done, st2.done))

@@ -20,7 +20,8 @@ import numpy as np
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
-from nlac_jax.sampling.decode import MIN_STOP_SLOTS, STOP_REASONS, controls, decode_impl, prefill_impl
+from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, controls, decode_impl, empty_state, prefill_impl,
+                                      refill_impl)
 from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,13 @@ class GenerateOutput:
     texts: list | None = None
     prompt_lengths: np.ndarray | None = None
     prompt_tokens_dropped: np.ndarray | None = None
-    num_steps: int = 0  # decode positions actually run (early exit when every row is done)
+    num_steps: int = 0  # token-selection rounds actually run (early exit when every row is done)
+    token_slots: int = 0  # row-rounds the compiled code ran (rows x rounds, filler and finished rows included)
+
+    @property
+    def useful_token_fraction(self) -> float:
+        """Kept tokens / token slots: 1.0 when no row ever idled (the continuous-batching target)."""
+        return float(np.sum(self.lengths)) / max(self.token_slots, 1)
 
     def token_lists(self) -> list[list[int]]:
         """Generated ids per row, without the masked tail."""
@@ -112,6 +119,11 @@ class Sampler:
             run_cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket),
             static_argnames=("new_bucket",))
         self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
+        self.empty = jax.jit(lambda key, batch, cache_len, new_bucket: empty_state(
+            run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket),
+            static_argnames=("batch", "cache_len", "new_bucket"))
+        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl: refill_impl(
+            run_cfg, params, st, ids, mask, slots, rows, ctl), donate_argnums=(1,))
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
@@ -202,8 +214,14 @@ class Sampler:
     # ------------------------------------------------------------------ main entry
     def generate(self, params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
-                 overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
-        """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the package docstring."""
+                 overflow: str = "truncate_left", max_context: int | None = None, slots: int | None = None,
+                 refill_rows: int | None = None) -> GenerateOutput:
+        """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the package docstring.
+
+        slots: with more prompts than `slots`, continuous batching: `slots` rows (bucketed) decode at once and the
+          rows that finish are refilled with waiting prompts, `refill_rows` at a time (default slots // 4), so no
+          row idles until the longest one ends. Greedy results equal the one-batch path's; sampled ones are
+          reproducible for a seed (each prompt's randomness follows its index, not its slot)."""
         cfg = self.cfg
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
@@ -228,34 +246,20 @@ class Sampler:
 
         prompts = self._encode_prompts(prompts, tokenizer)
         prompts, dropped = self._apply_overflow(prompts, max_new_tokens, context, overflow)
-        B = len(prompts)
-        Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
-
-        ids = np.zeros((Bb, Tb), np.int32)
-        mask = np.zeros((Bb, Tb), np.int32)
-        for b, p in enumerate(prompts):
-            ids[b, Tb - len(p):] = p
-            mask[b, Tb - len(p):] = 1
-        mask[B:, -1] = 1  # filler rows: one dummy token, done from the start
-        live = np.arange(Bb) < B
-
         stop_ids = np.full((bucket_length(len(stop_token_ids), MIN_STOP_SLOTS),), -1, np.int32)
         stop_ids[: len(stop_token_ids)] = stop_token_ids
         table, host_check = self._stop_table(tokenizer, stop_strings)
         ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
         key = _as_key(seed)
-
+        B = len(prompts)
         with self._mesh_ctx():
             params = self.place_params(params)
-            if self.mesh is not None:
-                bs = sharding.named_sharding(("batch", "length"), (Bb, Tb), self.mesh, self.rules)
-                ids, mask = jax.device_put(ids, bs), jax.device_put(mask, bs)
-                live = jax.device_put(live, sharding.named_sharding(("batch",), (Bb,), self.mesh, self.rules))
-            st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
-            st = self.decode(params, st, ctl)
-            tokens, logprobs, lengths, reason, steps = jax.device_get(
-                (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
-
+            if slots is not None and B > int(slots):
+                tokens, logprobs, lengths, reason, steps, token_slots = self._continuous(
+                    params, prompts, max_new_tokens, key, ctl, int(slots), refill_rows)
+            else:
+                tokens, logprobs, lengths, reason, steps, token_slots = self._one_batch(
+                    params, prompts, max_new_tokens, key, ctl)
         tokens = np.array(tokens[:B, :max_new_tokens])
         logprobs = np.array(logprobs[:B, :max_new_tokens])
         lengths = np.array(lengths[:B])
@@ -280,13 +284,88 @@ class Sampler:
                 texts.append(cut_text(txt, stop_strings) if reasons[b] == "stop_string" else txt)
         return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
                               prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
-                              prompt_tokens_dropped=dropped, num_steps=int(steps))
+                              prompt_tokens_dropped=dropped, num_steps=int(steps), token_slots=int(token_slots))
+
+    def _device_rows(self, *arrays):
+        """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one)."""
+        if self.mesh is None:
+            return arrays
+        return tuple(jax.device_put(a, sharding.named_sharding(("batch",) + (None,) * (a.ndim - 1), a.shape,
+                                                               self.mesh, self.rules)) for a in arrays)
+
+    @staticmethod
+    def _left_pad(prompts, rows: int, width: int):
+        """ids, mask [rows, width] int32, left-padded; rows beyond the prompts get one dummy token."""
+        ids = np.zeros((rows, width), np.int32)
+        mask = np.zeros((rows, width), np.int32)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = p
+            mask[b, width - len(p):] = 1
+        mask[len(prompts):, -1] = 1
+        return ids, mask
+
+    def _one_batch(self, params, prompts, max_new_tokens, key, ctl):
+        """Every prompt in one bucketed batch: prefill, then decode until all rows are done."""
+        B = len(prompts)
+        Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
+        ids, mask = self._left_pad(prompts, Bb, Tb)
+        ids, mask, live = self._device_rows(ids, mask, np.arange(Bb) < B)
+        st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
+        st = self.decode(params, st, ctl)
+        tokens, logprobs, lengths, reason, steps = jax.device_get(
+            (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
+        return tokens[:B], logprobs[:B], lengths[:B], reason[:B], int(steps), Bb * int(steps)
+
+    def _continuous(self, params, prompts, max_new_tokens, key, ctl, slots, refill_rows):
+        """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
+        calls (host syncs only there). Returns per-prompt arrays in prompt order, rounds and token slots."""
+        P = len(prompts)
+        B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
+        R = min(B, self.buckets(max(1, B // 8) if refill_rows is None else int(refill_rows), 1, 1)[0])
+        st = self.empty(key, batch=B, cache_len=Tb + Nb, new_bucket=Nb)
+        holds = [-1] * B  # host view: the prompt each slot holds (-1 = free)
+        out_tok = np.zeros((P, Nb), np.int32)
+        out_lp = np.zeros((P, Nb), np.float32)
+        out_len = np.zeros((P,), np.int32)
+        out_reason = np.zeros((P,), np.int32)
+        nxt, collected, refills = 0, 0, 0
+        while True:
+            free = [b for b in range(B) if holds[b] < 0]
+            if nxt < P and len(free) >= min(R, P - nxt):  # refill: R prompts (fixed shape) into free slots
+                take = prompts[nxt:nxt + min(R, len(free))]
+                ids, mask = self._left_pad(take, R, Tb)
+                idx = np.full((R,), B, np.int32)  # slot B = unused entry (dropped on device)
+                rows = np.full((R,), -1, np.int32)
+                for j in range(len(take)):
+                    idx[j], rows[j] = free[j], nxt + j
+                    holds[free[j]] = nxt + j
+                ids, mask = self._device_rows(ids, mask)
+                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(rows), ctl)
+                nxt, refills = nxt + len(take), refills + 1
+                continue  # fill every free slot before decoding
+            n_free = sum(h < 0 for h in holds)
+            ret = n_free + min(R, P - nxt) if nxt < P else B + 1  # return when a refill's worth has finished
+            st = self.decode(params, st, dict(ctl, return_when_done=jnp.int32(ret)))
+            done, row_id = jax.device_get((st.done, st.row_id))
+            fin = [b for b in range(B) if done[b] and holds[b] >= 0]
+            if fin:
+                tok, lp, ln, rs = jax.device_get((st.tokens, st.logprobs, st.lengths, st.reason))
+                for b in fin:
+                    p = holds[b]
+                    assert int(row_id[b]) == p, (b, p, int(row_id[b]))
+                    out_tok[p], out_lp[p], out_len[p], out_reason[p] = tok[b], lp[b], ln[b], rs[b]
+                    holds[b] = -1
+                    collected += 1
+            if collected == P:
+                steps = int(jax.device_get(st.step))
+                return out_tok, out_lp, out_len, out_reason, steps, B * steps + R * refills
 
     __call__ = generate
 
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
-        return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size()}
+        return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size(),
+                "empty": self.empty._cache_size(), "refill": self.refill._cache_size()}
 
 
 _SAMPLERS: dict = {}

@@ -99,20 +99,24 @@ def filter_logits(logits: Array, temperature, top_k, top_p, num_candidates: int 
     return lax.cond((top_k > 0) | (top_p < 1.0), filt, lambda x: x, x)
 
 
-def select_tokens(logits: Array, key: Array, column, temperature, top_k, top_p) -> Array:
+def select_tokens(logits: Array, key: Array, column, temperature, top_k, top_p, rows=None) -> Array:
     """Next token per row ([B] int32) from logits [B, V]: greedy when temperature <= 0, else a filtered sample.
 
-    Row b's randomness comes from fold_in(fold_in(key, column), b): reproducible for a key, whatever the bucket.
+    column: int32 scalar or [B] (the generated-token index of each row); rows: [B] int32 ids of the prompts the
+    rows hold (default 0..B-1). Row b's randomness comes from fold_in(fold_in(key, column[b]), rows[b]):
+    reproducible for a key, whatever the bucket or the slot a prompt lands in (continuous batching).
     """
     B, V = logits.shape
+    rows = jnp.arange(B) if rows is None else rows
+    column = jnp.broadcast_to(jnp.asarray(column), (B,))
 
     def greedy(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample(_):
         x = filter_logits(logits, temperature, top_k, top_p)
-        step_key = jax.random.fold_in(key, column)
-        g = jax.vmap(lambda b: jax.random.gumbel(jax.random.fold_in(step_key, b), (V,), jnp.float32))(jnp.arange(B))
+        g = jax.vmap(lambda c, b: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, c), b), (V,),
+                                                    jnp.float32))(column, rows)
         return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
 
     return lax.cond(jnp.asarray(temperature) <= 0.0, greedy, sample, None)
