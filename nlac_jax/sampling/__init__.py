@@ -37,6 +37,14 @@ Design
   scanned weights are sliced once per call (outside the decode loop) and each layer's cache buffer is updated in
   place. With `nn.scan`, XLA:CPU copies every layer's weights out of the stack on every decode step (2-3x the memory
   traffic). On GPU/TPU 'auto' keeps the scanned decoder (no second copy of the weights in memory); `layer_loop='unrolled'|'scan'` forces either.
+* Continuous batching (`generate(..., slots=S)` with more than S prompts): S slots (bucketed); the host refills the
+  rows that finished with waiting prompts, R at a time (default S // 8), between decode calls (`decode` returns once
+  R more rows are done: `return_when_done`). `refill` prefills R prompts straight into R slots of the running state
+  (a scatter into the cache rows); every row keeps its own cache index (`models.decoder.write_slots`) and its own
+  column (`lengths`). Executables: `empty`, `refill`, `decode`, whatever the number of prompts. Row randomness
+  follows the prompt index (`row_id`), so greedy outputs equal the one-batch path's and sampled ones are
+  reproducible for a seed. `GenerateOutput.token_slots` counts row-rounds run; `useful_token_fraction` = kept
+  tokens / token_slots.
 * Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
   >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
   holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts
