@@ -249,12 +249,18 @@ class Sampler:
             params = self.place_params(params)
             if self.mesh is not None:
                 bs = sharding.named_sharding(("batch", "length"), (Bb, Tb), self.mesh, self.rules)
-                ids, mask = jax.device_put(ids, bs), jax.device_put(mask, bs)
-                live = jax.device_put(live, sharding.named_sharding(("batch",), (Bb,), self.mesh, self.rules))
+                ls = sharding.named_sharding(("batch",), (Bb,), self.mesh, self.rules)
+                if jax.process_count() > 1:
+                    # several processes: every one holds the same prompts (the caller's contract); each places
+                    # the slices its devices own, and the key and controls become replicated global arrays
+                    ids, mask, live, key, ctl = _global_inputs(self.mesh, ids, mask, live, key, ctl, bs, ls)
+                else:
+                    ids, mask = jax.device_put(ids, bs), jax.device_put(mask, bs)
+                    live = jax.device_put(live, ls)
             st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
             st = self.decode(params, st, ctl)
-            tokens, logprobs, lengths, reason, steps = jax.device_get(
-                (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
+            tokens, logprobs, lengths, reason, steps = (_fetch(x) for x in
+                                                        (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
 
         tokens = np.array(tokens[:B, :max_new_tokens])
         logprobs = np.array(logprobs[:B, :max_new_tokens])
@@ -287,6 +293,25 @@ class Sampler:
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
         return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size()}
+
+
+def _global_inputs(mesh, ids, mask, live, key, ctl, batch_sharding, live_sharding):
+    """The sampler's host inputs as global arrays over a mesh that spans several processes."""
+    from nlac_jax.distributed import replicated_to_global
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ids, mask, live = replicated_to_global((ids, mask, live), (batch_sharding, batch_sharding, live_sharding))
+    key_data = replicated_to_global(np.asarray(jax.random.key_data(key)), rep)
+    key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
+    ctl = replicated_to_global({k: np.asarray(v) for k, v in ctl.items()}, {k: rep for k in ctl})
+    return ids, mask, live, key, ctl
+
+
+def _fetch(x) -> np.ndarray:
+    """A device result on this host: gathered from every process when its shards live on several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 _SAMPLERS: dict = {}
