@@ -34,7 +34,8 @@ def build_parser():
     p.add_argument("--params", choices=("policy", "target"), default="policy",
                    help="which weights act: policy = θ (default), target = θ̄ (the EMA target network)")
     p.add_argument("--multihost", action="store_true",
-                   help="call jax.distributed.initialize() first (TPU pods: every worker runs the same command)")
+                   help="initialise jax.distributed even when no environment variable gives the process count "
+                        "(as for nlac_jax.train; one process never initialises)")
     return p
 
 
@@ -49,9 +50,8 @@ def main(argv=None) -> int:
     flags = parse_flags(argv)
     train.setup_logging()
     cli.require_dir(flags.checkpoint, "--checkpoint")
-    if flags.multihost:
-        import jax
-        jax.distributed.initialize()
+    from nlac_jax import distributed
+    distributed.initialize(requested=flags.multihost)
     train.load_gin(flags.gin_file, flags.gin_param)
     workdir = flags.workdir or os.path.join(os.path.dirname(os.path.abspath(flags.checkpoint)), "eval")
     train.check_writable_dir(workdir)
@@ -64,6 +64,8 @@ def main(argv=None) -> int:
         r.checkpointer.close()
     m = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
     m["checkpoint_iteration"] = r.start_iteration
+    if not r.processes.is_main:  # every process evaluated its share; process 0 reports
+        return 0
     line = json.dumps(m, sort_keys=True)
     print(line)
     with open(os.path.join(r.workdir, "eval.json"), "w") as f:

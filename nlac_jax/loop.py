@@ -40,7 +40,8 @@ class LoopConfig:
     """The schedule of one NLAC run (defaults: a small CPU-sized run; the gin run files set real values).
 
     iterations: outer iterations {collect → targets → train → eval → checkpoint}.
-    episodes_per_iteration: training episodes collected per iteration; env_pool: env instances played at once.
+    episodes_per_iteration: training episodes collected per iteration; env_pool: env instances played at once, over
+      all processes (each of P processes builds ceil(env_pool / P) and plays its share of the tasks).
     buffer_capacity: replay buffer size (FIFO).
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each kind.
     train_steps: optimiser steps per iteration. None = one pass over the iteration's fresh targets
@@ -211,10 +212,14 @@ class NLACRun:
         from nlac_jax.models import hf_io
         from nlac_jax.nlac import algorithm, model_roles, prompts as prompts_lib, targets
         from nlac_jax.rl import ReplayBuffer
+        from nlac_jax.distributed import Processes
         from nlac_jax.roles import RoleSampling
 
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
+        # several processes (a TPU pod): the envs are divided, everything else is the same on every process
+        # (nlac_jax/distributed.py); one process: every exchange is local
+        self.processes = Processes.current()
         self.loop = LoopConfig()
         self.target_cfg = targets.TargetConfig()
         self.sampling = RoleSampling()  # how every role is sampled, for acting, targets and evaluation alike
@@ -273,7 +278,8 @@ class NLACRun:
         needs_model = (self.env_name == "twenty_questions" and self.env_factory.oracle == "model") or \
             (self.env_name.startswith("tau_") and self.env_factory.user == "model")
         generate_fn = ExternalModel() if needs_model else None
-        self.envs = self.env_factory.make(self.loop.env_pool, generate_fn)
+        # env_pool counts every process's envs: this process plays its share of each iteration's tasks
+        self.envs = self.env_factory.make(-(-self.loop.env_pool // self.processes.count), generate_fn)
         self.judge_env = self.env_factory(generate_fn)
         held_out = self.task_source.tasks(self.task_source.eval_split)
         # more episodes than held-out tasks: each task is played again (a sampled policy's success is a mean)
@@ -340,8 +346,10 @@ class NLACRun:
         bars("collect")
         tasks = learner.take_tasks(self, loop.episodes_per_iteration)
         episodes, transitions = rollout.collect(self.envs, tasks, evaluation.make_policy_fn(self.roles, self.prompts),
-                                                task_name=self.env_name, max_turns=loop.max_turns)
+                                                task_name=self.env_name, max_turns=loop.max_turns,
+                                                processes=self.processes)
         m.update({f"collect/{k}": v for k, v in episode_metrics(episodes).items()})
+        m["collect/episodes_this_process"] = len(self.processes.share(tasks))  # the others are gathered
         m.update(self.roles.counters.as_dict("collect/gen/"))
         m.update(self.fitter.reset_counters().as_dict("collect/prompt/"))
         m["time/collect"] = time.perf_counter() - t0
@@ -365,7 +373,8 @@ class NLACRun:
         m.update(pack_metrics)
         if batches:
             for batch in batches:
-                self.holder.state, metrics = self.step_fn(self.holder.state, batch)
+                # every process packed the same batches: each places the rows its devices own
+                self.holder.state, metrics = self.step_fn(self.holder.state, self.step_fn.from_replicated(batch))
                 for k, v in self._jax.device_get(metrics).items():
                     sums.setdefault(k, []).append(float(v))
                 n_tokens += int(batch.attention_mask.sum())
@@ -400,14 +409,38 @@ class NLACRun:
         m, _ = evaluation.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
                                 params=params,
                                 calibration_transitions=self.loop.calibration_transitions,
-                                max_turns=self.loop.max_turns)
+                                max_turns=self.loop.max_turns, processes=self.processes)
         m.update(self.roles.counters.as_dict("eval/gen/"))
         m.update(self.fitter.reset_counters().as_dict("eval/prompt/"))
+        m["eval/episodes_this_process"] = len(self.processes.share(self.eval_tasks))
         m["time/eval"] = time.perf_counter() - t0
         return m
 
+    def _process_state(self, buffer_state: dict) -> dict:
+        """What this process holds of the loop's state, recorded per process index in every checkpoint."""
+        import hashlib
+        import json
+        sha = hashlib.sha256(json.dumps(buffer_state).encode()).hexdigest()
+        return {"process_index": self.processes.index, "cursor": self.cursor.state_dict(), "buffer_sha256": sha,
+                "buffer_size": len(self.buffer)}
+
     def save(self, it: int) -> None:
-        loop_state = {"iteration": it + 1, "buffer": self.buffer.state_dict(), "cursor": self.cursor.state_dict()}
+        """Checkpoint iteration `it` (collective: every process calls it).
+
+        The replay buffer and the task cursor are the same on every process (the episodes are gathered before
+        they enter the buffer, and every process walks the one cursor, see nlac_jax/distributed.py), so they are
+        stored once, and every process's own record (index, cursor, buffer checksum) under loop_state['processes'];
+        saving refuses processes whose copies differ. A run may so resume on another number of processes."""
+        buffer_state = self.buffer.state_dict()
+        records = self.processes.allgather_objects(self._process_state(buffer_state))
+        for r in records[1:]:  # every process holds every record, so all of them raise together
+            for key in ("cursor", "buffer_sha256"):
+                if r[key] != records[0][key]:
+                    raise RuntimeError(f"checkpoint at iteration {it + 1}: process {r['process_index']}'s {key} "
+                                       f"{r[key]!r} differs from process 0's {records[0][key]!r} (the processes "
+                                       f"diverged)")
+        loop_state = {"iteration": it + 1, "buffer": buffer_state, "cursor": self.cursor.state_dict(),
+                      "process_count": self.processes.count, "processes": records}
         force = it + 1 == self.loop.iterations
         self.checkpointer.save(self.holder.state, metadata={"env": self.env_name, "iteration": it + 1},
                                loop_state=loop_state, step=it + 1, force=force)
@@ -463,7 +496,7 @@ def run(workdir: str) -> list[dict]:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    main_proc = jax.process_index() == 0
+    main_proc = jax.process_index() == 0  # process 0 alone writes logs, metrics, dumps, plots, exported files
     iterations = LoopConfig().iterations
     done = finished_iterations(workdir)
     if done is not None and done >= iterations:
@@ -477,7 +510,8 @@ def run(workdir: str) -> list[dict]:
         if main_proc:
             write_config_gin(r.workdir)
         writer = MetricsWriter(r.workdir, r.start_iteration, enabled=main_proc)
-        os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
+        if main_proc:
+            os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
         rows = []
         if r.loop.eval_before_training and r.start_iteration == 0:
             m0 = {"iteration": 0, **r.evaluate(-1)}
@@ -505,10 +539,12 @@ def run(workdir: str) -> list[dict]:
             rows.append(m)
         bar.close()
         r.checkpointer.wait()
-        if r.loop.export_hf and main_proc:
+        if r.loop.export_hf:
             from nlac_jax import training
+            # every process: gathering θ's shards is collective; hf_io writes on process 0 only
             training.export_hf(os.path.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
-            r.tokenizer.save_pretrained(os.path.join(r.workdir, "hf_export"))
+            if main_proc:
+                r.tokenizer.save_pretrained(os.path.join(r.workdir, "hf_export"))
         r.checkpointer.close()
         writer.close()
         closed = True

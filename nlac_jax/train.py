@@ -45,7 +45,10 @@ def build_parser() -> cli.ArgumentParser:
     add_gin_flags(p, "run directory: checkpoints, metrics, examples, config.gin (default runs/<first gin file name>); "
                      "an existing one is resumed")
     p.add_argument("--multihost", action="store_true",
-                   help="call jax.distributed.initialize() first (TPU pods: every worker runs the same command)")
+                   help="initialise jax.distributed even when no environment variable says how many processes "
+                        "the run has (GCE TPU pods: every worker runs the same command); a run with more than one "
+                        "process (JAX_NUM_PROCESSES, a GKE TPU pod's worker list) initialises without it, a run "
+                        "with one never does")
     return p
 
 
@@ -179,9 +182,8 @@ def main(argv=None) -> int:
     """The train CLI (see the module docstring); errors propagate (run through `cli.run` for one-line errors)."""
     flags = parse_flags(argv)
     setup_logging()
-    if flags.multihost:  # before anything touches the devices (load_gin builds the mesh to check the batch)
-        import jax
-        jax.distributed.initialize()
+    from nlac_jax import distributed  # before anything touches the devices (load_gin builds the mesh)
+    distributed.initialize(requested=flags.multihost)
     load_gin(flags.gin_file, flags.gin_param)
     workdir = flags.workdir or default_workdir(flags.gin_file)
     check_writable_dir(workdir)

@@ -17,7 +17,7 @@ import numpy as np
 
 from nlac_jax.envs.base import EnvBase, Episode, episode_metrics
 from nlac_jax.nlac.prompts import PromptSet
-from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
+from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict, strip_think
 from nlac_jax.rl import rollout
 from nlac_jax.roles import RoleSampler, RoleSampling, check_samples, texts
 
@@ -66,9 +66,9 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     out = {"calib/n": len(items)}
     if not items:
         return out
-    futures = texts(check_samples(
+    futures = [strip_think(f) for f in texts(check_samples(  # answers only: reasoning is no forecast
         sampler.sample([prompts.successor(s, a) for s, a, _, _ in items], params, "successor", settings=settings),
-        len(items), "successor"))
+        len(items), "successor"))]
     parsed = [parse_outcome(f) for f in futures]
     ok_ret = [(r, rtg) for (_, r), (_, _, rtg, _) in zip(parsed, items) if r is not None]
     ok_succ = [(s, succ) for (s, _), (_, _, _, succ) in zip(parsed, items) if s is not None]
@@ -86,7 +86,7 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
         critiques = texts(check_samples(
             sampler.sample([prompts.evaluator(items[i][0], items[i][1], [futures[i]]) for i in known], params,
                            "evaluator", settings=settings), len(known), "evaluator"))
-        verdicts = [parse_verdict(c) for c in critiques]
+        verdicts = [parse_verdict(strip_think(c)) for c in critiques]
         scored = [(v, truth[i]) for v, i in zip(verdicts, known) if v is not None]
         out["verdict/parse_rate"] = len(scored) / len(known)
         out["verdict/accuracy"] = float(np.mean([v == t for v, t in scored])) if scored else math.nan
@@ -97,15 +97,17 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
 
 def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
              params: str = "policy", calibration_transitions: int = 16, max_turns: int | None = None,
-             settings: RoleSampling | None = None) -> tuple[dict, list[Episode]]:
+             settings: RoleSampling | None = None, processes=None) -> tuple[dict, list[Episode]]:
     """Held-out episodes + critic diagnostics. Returns (metrics under 'eval/', episodes).
 
     The policy acts at ``settings.eval_temperature`` (greedy by default, see ``RoleSampling.evaluation``); the
     critic's roles keep their training settings. settings: None = the sampler's own.
+    processes: several processes play their shares of `tasks` (``rl.rollout.collect``); the diagnostics then run
+    on every process's episodes, the same on each (collective: every process must call it).
     """
     settings = sampler.settings if settings is None else settings
     policy_fn = make_policy_fn(sampler, prompts, params, settings=settings.evaluation())
-    episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns)
+    episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns, processes=processes)
     m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
     if calibration_transitions > 0:
         m.update({f"eval/{k}": v for k, v in critic_diagnostics(

@@ -63,7 +63,10 @@ from nlac_jax.nlac.verdict import (
     parse_outcome,
     parse_verdict,
     replace_outcome_line,
+    split_think,
     strip_outcome_lines,
+    strip_think,
+    with_reasoning,
 )
 from nlac_jax.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
 from nlac_jax.text import KIND_CRITIC, KIND_POLICY
@@ -107,6 +110,12 @@ class TargetConfig:
       enforce_outcome_line: exact Bellman arithmetic on the final line (see module docstring).
       success_threshold: terminal success when the environment gives no ``info['success']``.
       terminal_include_observation: terminal summaries quote the environment's final message.
+      keep_reasoning: reasoning models (QwQ, Qwen3 thinking) write ``<think>...</think>`` before their answer.
+        True: a target keeps the reasoning of the generation it comes from (the backup's for d*_t; the refiner's,
+        or the policy's when a itself is the target), so the model keeps learning to think before it answers;
+        False (default): targets are the answers only. Either way the reasoning never reaches the environment
+        (``clean_action``) nor another role's prompt (futures, critiques, next actions are answers only), and a
+        generation whose ``<think>`` is never closed has no answer (an empty action; no backup, no refinement).
 
     How each role is sampled (temperature, top_p, max_new_tokens) is not configured here: the RoleSampler carries
     the run's ``nlac_jax.roles.RoleSampling`` (``nlac.RoleSampling.*`` in gin) and every call here uses it.
@@ -128,8 +137,11 @@ class TargetConfig:
     enforce_outcome_line: bool = True
     success_threshold: float = 0.0
     terminal_include_observation: bool = True
+    keep_reasoning: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.keep_reasoning, bool):  # a string 'False' would be truthy
+            raise TypeError(f"nlac.TargetConfig.keep_reasoning = {self.keep_reasoning!r}: expected True or False")
         if self.k_futures < 1:
             raise ValueError(f"k_futures must be >= 1, got {self.k_futures}")
         if self.m_refinements < 0:
@@ -406,7 +418,7 @@ def build_critic_examples(
         stats.empty_actions += sum(1 for a in next_actions if not a)
         # d_{t+1} ~ M_θ̄(·|s_{t+1}, a_{t+1})
         next_futures = [
-            truncate_summary(c.text, cfg.max_summary_chars)
+            truncate_summary(strip_think(c.text), cfg.max_summary_chars)
             for c in _sample(
                 sampler,
                 [resolve(transitions[i].task).successor(transitions[i].next_state, a) for i, a in zip(live, next_actions)],
@@ -437,7 +449,8 @@ def build_critic_examples(
             ex = out[i]
             ex.next_action, ex.next_future = a1, d1
             ex.backup_raw, ex.backup_stop_reason = raw.text, raw.stop_reason
-            text = raw.text.strip()
+            reasoning, answer, _ = split_think(raw.text)  # an unclosed <think> leaves "": backup_empty
+            text = answer.strip()
             # No fallback to d_{t+1}: it forecasts from (s_{t+1}, a_{t+1}), not (s_t, a_t), and lacks r_t.
             if _cut(raw.stop_reason, cfg):
                 ex.dropped = "backup_truncated"
@@ -452,6 +465,8 @@ def build_critic_examples(
                     stats.backup_line_rewritten += 1
                     text = replace_outcome_line(text, *line)
             ex.target_text = truncate_summary(text, cfg.max_summary_chars)
+            if cfg.keep_reasoning:
+                ex.target_text = with_reasoning(reasoning, ex.target_text)
 
     stats.critic_examples += len(out)
     return out  # type: ignore[return-value]
@@ -474,12 +489,13 @@ def _critique(
     one successor call (n = k) and one evaluator call for all of them. Returns (futures, critiques)."""
     k = cfg.k_futures
     flat = _sample(sampler, [ps.successor(s, a) for ps, s, a in items], "policy", "successor", k, stats)
-    futures = [[truncate_summary(c.text, cfg.max_summary_chars) for c in g] for g in group(flat, k)] if flat else []
+    futures = [[truncate_summary(strip_think(c.text), cfg.max_summary_chars) for c in g]
+               for g in group(flat, k)] if flat else []
     stats.future_unparsable += sum(1 for g in futures for d in g if None in parse_outcome(d))
     crits = _sample(
         sampler, [ps.evaluator(s, a, f) for (ps, s, a), f in zip(items, futures)], "policy", "evaluator", 1, stats
     )
-    return futures, [c.text.strip() for c in crits]
+    return futures, [strip_think(c.text).strip() for c in crits]
 
 
 def build_policy_examples(
@@ -537,11 +553,13 @@ def build_policy_examples(
             raise ValueError("use_buffer_action needs Transitions or `actions` for every state")
         acts = [str(a) for a in buffer_actions]
         act_reasons = [None] * n  # the buffer does not record how its actions' generations stopped
+        act_reasoning = [""] * n  # nor their reasoning (the env saw the bare action)
         source = "buffer"
     else:
         sampled = _sample(sampler, policy_prompts, "policy", "policy", 1, stats)
         acts = [clean_action(c.text) for c in sampled]
         act_reasons = [c.stop_reason for c in sampled]
+        act_reasoning = [split_think(c.text)[0] for c in sampled]
         source = "policy"
         stats.empty_actions += sum(1 for a in acts if not a)
 
@@ -563,6 +581,7 @@ def build_policy_examples(
     # aʳ_1..aʳ_m. Paper form: every round refines a under its one critique, seeing the usable refinements so
     # far. recritique: round i > 1 refines the latest usable refinement under a critique of that refinement.
     chains: list[list[str]] = [[] for _ in range(n)]  # usable refinements
+    chain_reasoning: list[list[str]] = [[] for _ in range(n)]  # each usable refinement's reasoning (or "")
     raws: list[list[str]] = [[] for _ in range(n)]  # every cleaned refiner output
     raw_reasons: list[list[str]] = [[] for _ in range(n)]
     subject = list(acts)  # the action the refiner is asked to improve (= the one ``shown[j]`` judges)
@@ -591,14 +610,16 @@ def build_policy_examples(
             stats.dropped_truncated += int(cut)
             if _usable(r, cfg) and not cut:
                 chains[j].append(r)
+                chain_reasoning[j].append(split_think(o.text)[0])
             else:
                 stats.refinements_unusable += 1
 
     examples = []
     for j in range(n):
         target, dropped = "", None
+        reasoning = ""
         if chains[j]:
-            target = chains[j][-1]
+            target, reasoning = chains[j][-1], chain_reasoning[j][-1]
         elif cfg.ablate_critique:
             dropped = "no_verdict"
             stats.policy_dropped_no_verdict += 1
@@ -616,9 +637,11 @@ def build_policy_examples(
             dropped = "action_unusable"
             stats.policy_dropped_action += 1
         else:
-            target = acts[j]  # judged optimal and no usable refinement: distil a itself
+            target, reasoning = acts[j], act_reasoning[j]  # judged optimal, no usable refinement: distil a itself
         if dropped is None:
             stats.refinement_unchanged += int(target == acts[j])
+            if cfg.keep_reasoning:
+                target = with_reasoning(reasoning, target)
         examples.append(
             PolicyExample(
                 prompt_messages=policy_prompts[j],

@@ -22,12 +22,19 @@ __all__ = [
     "replace_outcome_line",
     "strip_outcome_lines",
     "clean_action",
+    "split_think",
+    "strip_think",
+    "with_reasoning",
     "DEFAULT_STOP_MARKERS",
+    "THINK_OPEN",
+    "THINK_CLOSE",
 ]
 
 # ---------------------------------------------------------------------------------------------- verdicts
 
-_VERDICT_RE = re.compile(r"verdict\s*\**\s*[:=\-]\s*(?P<rest>[^\n]*)", re.IGNORECASE)
+# No two adjacent quantifiers may match the same characters ("\s*\**\s*" can split a run of spaces in n ways,
+# which is quadratic on hostile output such as "Verdict" + 100,000 spaces): "\s*(?:\*+\s*)?" matches the same.
+_VERDICT_RE = re.compile(r"verdict\s*(?:\*+\s*)?[:=\-]\s*(?P<rest>[^\n]*)", re.IGNORECASE)
 # Negative forms are checked first: "suboptimal" and "not optimal" both contain "optimal".
 _NEGATIVE_RE = re.compile(
     r"^(sub[\s\-_]?optimal|not[\s\-_]+(the\s+)?optimal|non[\s\-_]?optimal|unoptimal|incorrect|bad|wrong)\b"
@@ -63,12 +70,13 @@ def parse_verdict(text: str | None) -> bool | None:
 # ---------------------------------------------------------------------------------------------- outcomes
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_OUTCOME_LINE_RE = re.compile(r"^.*\boutcome\b\s*\**\s*[:=].*$", re.IGNORECASE | re.MULTILINE)
-_OUTCOME_WORD_RE = re.compile(r"\boutcome\b\s*\**\s*[:=]\s*[*_`'\"\[]*\s*(?P<word>[a-z\-]+)", re.IGNORECASE)
+_OUTCOME_LINE_RE = re.compile(r"^.*\boutcome\b\s*(?:\*+\s*)?[:=].*$", re.IGNORECASE | re.MULTILINE)
+_OUTCOME_WORD_RE = re.compile(r"\boutcome\b\s*(?:\*+\s*)?[:=]\s*(?:[*_`'\"\[]+\s*)?(?P<word>[a-z\-]+)", re.IGNORECASE)
 _RETURN_RE = re.compile(
-    r"\b(?:return|total\s+reward)\b\s*\**\s*[:=]\s*[*_`'\"\[]*\s*(?P<num>" + _NUM + r")", re.IGNORECASE
+    r"\b(?:return|total\s+reward)\b\s*(?:\*+\s*)?[:=]\s*(?:[*_`'\"\[]+\s*)?(?P<num>" + _NUM + r")", re.IGNORECASE
 )
-_RETURN_LINE_RE = re.compile(r"^\W*\**\s*return\s*\**\s*[:=].*$", re.IGNORECASE | re.MULTILINE)
+# [^\w\n], not \W: a run of blank lines must not be rescanned from every line start (quadratic)
+_RETURN_LINE_RE = re.compile(r"^[^\w\n]*return\s*(?:\*+\s*)?[:=].*$", re.IGNORECASE | re.MULTILINE)
 _SUCCESS_WORDS = {"success", "successful", "succeeded", "succeed", "solved", "win", "won", "yes", "true"}
 _FAILURE_WORDS = {"failure", "fail", "failed", "unsuccessful", "loss", "lost", "no", "false"}
 
@@ -147,6 +155,43 @@ def replace_outcome_line(text: str, success: bool, ret: float) -> str:
     return f"{body}\n{line}" if body else line
 
 
+# ---------------------------------------------------------------------------------------------- reasoning
+
+# Reasoning models (QwQ-32B, Qwen3 in thinking mode) write "<think> ... </think>" before the answer. QwQ's chat
+# template puts "<think>\n" into the generation prompt, so its generated text often holds only the closing tag.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_think(text: str | None) -> tuple[str, str, bool]:
+    """(reasoning, answer, closed) of a generated text.
+
+    reasoning: the text up to and including the LAST ``</think>``, verbatim (whatever opened it: a ``<think>`` in
+    the text, in the prompt, or nested blocks), "" when there is none; answer: the rest. closed is False when a
+    ``<think>`` is still open at the end (in the answer part): the model never finished thinking, there is no
+    answer, and answer is "". Plain ``str.find``/``rfind`` only (linear time on any input; exact-case tags,
+    as the models write them)."""
+    if not text:
+        return "", "", True
+    close = text.rfind(THINK_CLOSE)
+    reasoning, answer = ("", text) if close < 0 else (text[:close + len(THINK_CLOSE)], text[close + len(THINK_CLOSE):])
+    if answer.find(THINK_OPEN) >= 0:
+        return text, "", False
+    return reasoning, answer, True
+
+
+def strip_think(text: str | None) -> str:
+    """The answer part of a generated text: reasoning blocks removed; "" when a ``<think>`` is left open."""
+    return split_think(text)[1]
+
+
+def with_reasoning(reasoning: str, answer: str) -> str:
+    """A training target that keeps the generation's reasoning: ``reasoning`` (verbatim, through its
+    ``</think>``) + a blank line + ``answer``; just ``answer`` when there is no reasoning."""
+    if not reasoning:
+        return answer
+    return reasoning.rstrip() + "\n\n" + answer.lstrip()
+
+
 # ---------------------------------------------------------------------------------------------- actions
 
 # Chat-template end/start markers of the model families we use (Qwen2 / Llama 3 / generic).
@@ -168,8 +213,8 @@ _LEADING_HEADER_RE = re.compile(
     re.IGNORECASE,
 )
 _LEADING_LABEL_RE = re.compile(
-    r"^\s*[*_#>\s]*(?:final\s+|refined\s+|improved\s+|revised\s+|better\s+|new\s+|proposed\s+|next\s+)?"
-    r"(?:action|assistant|agent)\s*[*_]*\s*(?:\(\s*refined\s*\)\s*)?:\s*[*_]*",
+    r"^[*_#>\s]*(?:final\s+|refined\s+|improved\s+|revised\s+|better\s+|new\s+|proposed\s+|next\s+)?"
+    r"(?:action|assistant|agent)\s*(?:[*_]+\s*)?(?:\(\s*refined\s*\)\s*)?:\s*[*_]*",
     re.IGNORECASE,
 )
 _SPECIAL_TOKEN_RE = re.compile(r"<\|[^|<>\n]{1,40}\|>")
@@ -178,15 +223,18 @@ _SPECIAL_TOKEN_RE = re.compile(r"<\|[^|<>\n]{1,40}\|>")
 def clean_action(text: str | None, stop_markers: tuple[str, ...] = DEFAULT_STOP_MARKERS, strip_quotes: bool = True) -> str:
     """Extracts the bare action from a generated text.
 
-    In order: drop a leading chat role header (``<|im_start|>assistant``), cut at the first stop marker
-    (end-of-turn tokens; ``\\nExplanation:``-style trailers, case-insensitive), drop a leading label such as
+    In order: drop reasoning (``<think>...</think>``, see :func:`split_think`; a ``<think>`` left open leaves no
+    action: "" is returned and the environment answers it as any invalid action), drop a leading chat role header
+    (``<|im_start|>assistant``), cut at the first stop marker (end-of-turn tokens; ``\\nExplanation:``-style
+    trailers, case-insensitive), drop a leading label such as
     ``Action:`` / ``**Refined action:**`` / ``Assistant:``, drop leftover ``<|...|>`` special tokens, strip
     whitespace, and (``strip_quotes``) remove one pair of quotes wrapping the whole action when there are no
     other double quotes inside. Returns "" when nothing is left.
     """
     if not text:
         return ""
-    s = _LEADING_HEADER_RE.sub("", text, count=1)
+    s = strip_think(text)  # first: a stop marker inside the reasoning must not cut the action
+    s = _LEADING_HEADER_RE.sub("", s, count=1)
     lower = s.lower()
     cut = len(s)
     for marker in stop_markers:

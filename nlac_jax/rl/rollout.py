@@ -33,8 +33,20 @@ def make_policy_fn(sampler: RoleSampler, policy_prompt: Callable[[list], list[di
 
 
 def collect(envs: Sequence, tasks: Sequence, policy_fn: Callable, task_name: str | None = None,
-            max_turns: int | None = None) -> tuple[list[Episode], list[Transition]]:
-    """Play `tasks` with `policy_fn` over the env pool; returns (episodes, their one-step transitions)."""
-    episodes = BatchedRunner(envs, policy_fn, max_turns=max_turns).run(tasks)
+            max_turns: int | None = None, processes=None) -> tuple[list[Episode], list[Transition]]:
+    """Play `tasks` with `policy_fn` over the env pool; returns (episodes, their one-step transitions).
+
+    processes: a `nlac_jax.distributed.Processes` of several processes (None or one process: play everything
+    here). Then `tasks` is the global list, the same on every process; each process plays its contiguous share
+    in its own `envs`, every policy turn is one collective round (`Processes.collective_policy`), and the
+    returned episodes are every process's, in the order of `tasks` (collective: every process must call it).
+    """
+    if processes is None or processes.count == 1:
+        episodes = BatchedRunner(envs, policy_fn, max_turns=max_turns).run(tasks)
+    else:
+        collective = processes.collective_policy(policy_fn)
+        mine = BatchedRunner(envs, collective, max_turns=max_turns).run(processes.share(tasks))
+        collective.finish()  # the other processes' episodes may still be running: keep answering their rounds
+        episodes = processes.gather(mine)
     transitions = [t for ep in episodes for t in transitions_from_episode(ep, task=task_name)]
     return episodes, transitions

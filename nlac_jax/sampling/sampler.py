@@ -287,11 +287,33 @@ class Sampler:
                               prompt_tokens_dropped=dropped, num_steps=int(steps), token_slots=int(token_slots))
 
     def _device_rows(self, *arrays):
-        """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one)."""
+        """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
+        With several processes every one holds the same host arrays (the caller's contract) and places the slices
+        its devices own: the results are global arrays."""
         if self.mesh is None:
             return arrays
-        return tuple(jax.device_put(a, sharding.named_sharding(("batch",) + (None,) * (a.ndim - 1), a.shape,
-                                                               self.mesh, self.rules)) for a in arrays)
+        shs = [sharding.named_sharding(("batch",) + (None,) * (np.ndim(a) - 1), np.shape(a), self.mesh, self.rules)
+               for a in arrays]
+        if jax.process_count() > 1:
+            from nlac_jax.distributed import replicated_to_global
+            return tuple(replicated_to_global(list(arrays), shs))
+        return tuple(jax.device_put(a, sh) for a, sh in zip(arrays, shs))
+
+    def _replicated(self, tree):
+        """Small host values (key, controls, refill indices) as arrays every device sees in full; global arrays when
+        several processes share the mesh."""
+        if self.mesh is None or jax.process_count() == 1:
+            return tree
+        from nlac_jax.distributed import replicated_to_global
+        rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        is_key = lambda x: isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+
+        def one(x):
+            if is_key(x):
+                data = replicated_to_global(np.asarray(jax.random.key_data(x)), rep)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return replicated_to_global(np.asarray(x), rep)
+        return jax.tree.map(one, tree, is_leaf=is_key)
 
     @staticmethod
     def _left_pad(prompts, rows: int, width: int):
@@ -310,10 +332,11 @@ class Sampler:
         Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
         ids, mask = self._left_pad(prompts, Bb, Tb)
         ids, mask, live = self._device_rows(ids, mask, np.arange(Bb) < B)
+        key, ctl = self._replicated((key, ctl))
         st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
         st = self.decode(params, st, ctl)
-        tokens, logprobs, lengths, reason, steps = jax.device_get(
-            (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
+        tokens, logprobs, lengths, reason, steps = (_fetch(x) for x in
+                                                    (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
         return tokens[:B], logprobs[:B], lengths[:B], reason[:B], int(steps), Bb * int(steps)
 
     def _continuous(self, params, prompts, max_new_tokens, key, ctl, slots, refill_rows):
@@ -322,6 +345,7 @@ class Sampler:
         P = len(prompts)
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         R = min(B, self.buckets(max(1, B // 8) if refill_rows is None else int(refill_rows), 1, 1)[0])
+        key, ctl = self._replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=Tb + Nb, new_bucket=Nb)
         holds = [-1] * B  # host view: the prompt each slot holds (-1 = free)
         out_tok = np.zeros((P, Nb), np.int32)
@@ -340,16 +364,17 @@ class Sampler:
                     idx[j], rows[j] = free[j], nxt + j
                     holds[free[j]] = nxt + j
                 ids, mask = self._device_rows(ids, mask)
+                idx, rows = self._replicated((idx, rows))
                 st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(rows), ctl)
                 nxt, refills = nxt + len(take), refills + 1
                 continue  # fill every free slot before decoding
             n_free = sum(h < 0 for h in holds)
             ret = n_free + min(R, P - nxt) if nxt < P else B + 1  # return when a refill's worth has finished
-            st = self.decode(params, st, dict(ctl, return_when_done=jnp.int32(ret)))
-            done, row_id = jax.device_get((st.done, st.row_id))
+            st = self.decode(params, st, dict(ctl, return_when_done=self._replicated(jnp.int32(ret))))
+            done, row_id = _fetch(st.done), _fetch(st.row_id)
             fin = [b for b in range(B) if done[b] and holds[b] >= 0]
             if fin:
-                tok, lp, ln, rs = jax.device_get((st.tokens, st.logprobs, st.lengths, st.reason))
+                tok, lp, ln, rs = (_fetch(x) for x in (st.tokens, st.logprobs, st.lengths, st.reason))
                 for b in fin:
                     p = holds[b]
                     assert int(row_id[b]) == p, (b, p, int(row_id[b]))
@@ -357,7 +382,7 @@ class Sampler:
                     holds[b] = -1
                     collected += 1
             if collected == P:
-                steps = int(jax.device_get(st.step))
+                steps = int(_fetch(st.step))
                 return out_tok, out_lp, out_len, out_reason, steps, B * steps + R * refills
 
     __call__ = generate
@@ -366,6 +391,14 @@ class Sampler:
         """Compiled variants held by this Sampler's jitted functions."""
         return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size()}
+
+
+def _fetch(x) -> np.ndarray:
+    """A device result on this host: gathered from every process when its shards live on several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 _SAMPLERS: dict = {}

@@ -227,6 +227,21 @@ class TrainStep:
                              f"(mesh {dict(self.mesh.shape)})")
         return out
 
+    def from_replicated(self, batch) -> dict:
+        """A batch that every process holds IN FULL (the NLAC loop's packed batches are the same on every process)
+        as global arrays in the step's batch shardings; unchanged with one process, where NumPy rows are already
+        the whole batch. (Without this, several processes passing NumPy would each be read as their own rows.)"""
+        if jax.process_count() == 1:
+            return batch
+        from nlac_jax.distributed import replicated_to_global
+        if hasattr(batch, "as_dict"):
+            batch = batch.as_dict()
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
+        host = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in BATCH_KEYS}
+        return replicated_to_global(host, {k: self.batch_shardings[k] for k in BATCH_KEYS})
+
     def lower(self, state, batch):
         with sharding.use_mesh(self.mesh, self.rules):
             return self.jitted.lower(state, self.prepare_batch(batch))

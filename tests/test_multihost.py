@@ -1,0 +1,262 @@
+"""Several JAX processes: the start-up rule (never initialise for one process), the share / gather helpers, and a
+real 2-process run on localhost (gloo CPU collectives) against a 1-process run of the same config.
+
+Why the two runs must be equal: the 1-process run has 2 CPU devices (XLA_FLAGS), the 2-process run 1 device per
+process, so both build the same mesh (fsdp=2) and the same compiled programs. The 2-process run divides only the
+environments: each process plays 2 of the iteration's 4 tasks (and 1 of the 2 held-out episodes), every policy turn
+is one sampler call over the concatenation of both processes' rows (in process order = the 1-process run's row
+order, because the episodes fit the env pool: no env is re-used within a rollout), and the episodes are gathered
+before the buffer, so targets, batches, updates, checkpoints and the export see the same data as the 1-process run.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nlac_jax import distributed
+from nlac_jax.models import hf_io
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 420  # hard limit for the runs of one test; they take ~1-2 minutes on 2 cores
+
+PARAMS = [
+    "N = 8",
+    "LoopConfig.iterations = 2",
+    "LoopConfig.episodes_per_iteration = 4",
+    "LoopConfig.env_pool = 4",  # over all processes: 2 per process in the 2-process run
+    "LoopConfig.critic_examples = 4",
+    "LoopConfig.policy_examples = 4",
+    "LoopConfig.batch_size = 4",
+    "LoopConfig.train_steps = 2",
+    "LoopConfig.eval_every = 2",
+    "LoopConfig.eval_episodes = 2",
+    "LoopConfig.calibration_transitions = 2",
+    "LoopConfig.max_len = 640",
+    "LoopConfig.export_hf = True",
+    "nlac.RoleSampling.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
+]
+
+# what legitimately differs between the runs: wall-clock times and this process's own episode count
+NOT_COMPARED = ("time/", "tokens_per_s", "collect/episodes_this_process", "eval/episodes_this_process")
+
+
+# ----------------------------------------------------------------------------- start-up rule (no subprocess)
+def test_expected_process_count():
+    assert distributed.expected_process_count({}) is None
+    assert distributed.expected_process_count({"JAX_NUM_PROCESSES": "4"}) == 4
+    assert distributed.expected_process_count({"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}) == 4
+    assert distributed.expected_process_count({"TPU_WORKER_HOSTNAMES": "h0,h1", "MEGASCALE_NUM_SLICES": "2"}) == 4
+    assert distributed.expected_process_count({"TPU_WORKER_HOSTNAMES": "h0"}) == 1
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='zero'"):
+        distributed.expected_process_count({"JAX_NUM_PROCESSES": "zero"})
+
+
+def test_initialize_only_with_more_than_one_process(monkeypatch):
+    import jax
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    assert not distributed.initialize(requested=False, environ={})
+    assert not distributed.initialize(requested=True, environ={"JAX_NUM_PROCESSES": "1"})  # --multihost, 1 host
+    assert not distributed.initialize(requested=True, environ={"TPU_WORKER_HOSTNAMES": "only-host"})
+    assert calls == []
+    assert distributed.initialize(environ={"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
+    assert distributed.initialize(requested=True, environ={})  # count left to jax's cluster detection
+    assert calls == [{"num_processes": 2, "process_id": 1}, {}]
+
+
+def test_share_and_gather_cover_every_item_once():
+    items = list(range(7))
+    for count in (1, 2, 3, 7, 9):
+        shares = [distributed.Processes(i, count).share(items) for i in range(count)]
+        assert [x for s in shares for x in s] == items  # contiguous, in process order
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    one = distributed.Processes()
+    assert one.gather(items) == items and one.allgather_objects({"a": 1}) == [{"a": 1}]
+    assert distributed.CollectivePolicy(lambda hs: [f"a{h}" for h in hs], one)([1, 2]) == ["a1", "a2"]
+    with pytest.raises(ValueError, match="index=2, count=2"):
+        distributed.Processes(2, 2)
+
+
+# ----------------------------------------------------------------------------- the rollout protocol, in threads
+class _Hub:
+    """An allgather between threads (a stand-in for the device collective; jax is not involved)."""
+
+    def __init__(self, count):
+        self.slots, self.barrier = [None] * count, threading.Barrier(count, timeout=20)
+
+    def exchange(self, index, obj):
+        self.slots[index] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # nobody writes the next round's object before everyone has read this one
+        return out
+
+
+class _ThreadProcesses(distributed.Processes):
+    def __init__(self, index, count, hub):
+        super().__init__(index, count)
+        self.hub = hub
+
+    def allgather_objects(self, obj):
+        return self.hub.exchange(self.index, obj)
+
+
+def _linear_policy(calls):
+    """Guess 1, 2, 3, ...: episodes of different lengths (so processes finish their shares at different turns);
+    records every call's batch (as the sampler would see it)."""
+    def policy(histories):
+        calls.append([len(h) for h in histories])
+        return [str(1 + sum(m["role"] == "assistant" for m in h)) for h in histories]
+    return policy
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_collect_over_processes_equals_one_process(count):
+    """rollout.collect with a share per process: every process sees the 1-process run's policy batches, in the same
+    order, and ends with the 1-process run's episodes (each task played once), whichever process finishes first."""
+    from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
+    from nlac_jax.rl import rollout
+    tasks = GuessNumberTaskSource(n=8).tasks("train")  # 7 tasks, targets 1..8 without 5: 1 to 4 guesses
+    ref_calls = []
+    ref, ref_t = rollout.collect([GuessNumberEnv(n=8) for _ in tasks], tasks, _linear_policy(ref_calls))
+    hub, results, calls, errors = _Hub(count), [None] * count, [[] for _ in range(count)], []
+
+    def worker(i):
+        try:
+            procs = _ThreadProcesses(i, count, hub)
+            envs = [GuessNumberEnv(n=8) for _ in range(-(-len(tasks) // count))]
+            results[i] = rollout.collect(envs, tasks, _linear_policy(calls[i]), processes=procs)
+        except BaseException as e:  # noqa: BLE001  reported by the main thread
+            errors.append(e)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a process's rollout never finished (protocol deadlock)"
+    assert not errors, errors
+    for i in range(count):
+        episodes, transitions = results[i]
+        assert [(e.task.id, e.messages) for e in episodes] == [(e.task.id, e.messages) for e in ref]
+        assert len(transitions) == len(ref_t)
+        assert calls[i] == ref_calls  # the same global batches, row for row
+
+
+# ----------------------------------------------------------------------------- real processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES",
+                        "TPU_PROCESS_ADDRESSES")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _cmd(workdir: str) -> list:
+    return [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
+            f"--workdir={workdir}"] + [f"--gin_param={p}" for p in PARAMS]
+
+
+def _run(jobs: dict, tmp_path, timeout: float = TIMEOUT_S) -> dict:
+    """Start every job (name -> (cmd, env)) at once, each in its own session with its output in a file; wait
+    for all under ONE deadline. Past it (a hang: e.g. a collective one process never joins) every job's process
+    group is killed and the test fails naming the jobs still running and the tail of their output."""
+    procs, logs = {}, {}
+    try:
+        for name, (cmd, env) in jobs.items():
+            logs[name] = tmp_path / f"{name}.log"
+            with open(logs[name], "w") as f:
+                procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        hung = [n for n, p in procs.items() if p.poll() is None]
+        if hung:
+            tails = "\n".join(f"--- {n}:\n{logs[n].read_text()[-1500:]}" for n in hung)
+            pytest.fail(f"{', '.join(hung)} still running after {timeout:.0f} s (killed; a hang?)\n{tails}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    out = {n: logs[n].read_text() for n in procs}
+    for n, p in procs.items():
+        assert p.returncode == 0, f"{n} exited {p.returncode}:\n{out[n][-3000:]}"
+    return out
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _loop_state(workdir, step):
+    d = os.path.join(workdir, "checkpoints", str(step), "loop_state")
+    for root, _, files in os.walk(d):
+        for name in files:
+            try:
+                with open(os.path.join(root, name)) as f:
+                    state = json.load(f)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(state, dict) and "iteration" in state:
+                return state
+    raise AssertionError(f"no loop_state JSON under {d}")
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """2 demo iterations as 2 processes on localhost == the same run as 1 process with 2 devices: every metric
+    (times and the per-process episode count excepted), the exported θ bit for bit, the checkpointed buffer."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    coord = f"localhost:{_free_port()}"
+    jobs = {"one_process": (_cmd(one), _env(2))}
+    for i in range(2):
+        jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
+                                                   JAX_PROCESS_ID=str(i)))
+    t0 = time.monotonic()
+    out = _run(jobs, tmp_path)
+    print(f"runs took {time.monotonic() - t0:.0f} s")
+
+    assert "process 0 of 2" in out["process_0"]  # jax.distributed really ran with 2 processes
+    ma, mb = _metrics(one), _metrics(two)
+    assert [m["iteration"] for m in mb] == [1, 2]
+    assert mb[0]["collect/episodes_this_process"] == 2 and ma[0]["collect/episodes_this_process"] == 4
+    assert mb[0]["collect/num_episodes"] == 4 and mb[1]["eval/num_episodes"] == 2
+    for x, y in zip(ma, mb):
+        assert sorted(x) == sorted(y)
+        for k in x:
+            if not any(s in k for s in NOT_COMPARED):
+                assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
+
+    a = hf_io.SafetensorsFile(os.path.join(one, "hf_export", "model.safetensors"))
+    b = hf_io.SafetensorsFile(os.path.join(two, "hf_export", "model.safetensors"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
+    assert os.path.isfile(os.path.join(two, "hf_export", "tokenizer.json"))  # written by process 0
+
+    la, lb = _loop_state(one, 2), _loop_state(two, 2)
+    assert la["buffer"] == lb["buffer"] and la["cursor"] == lb["cursor"]
+    assert lb["process_count"] == 2 and [p["process_index"] for p in lb["processes"]] == [0, 1]
+    assert lb["processes"][0]["buffer_sha256"] == lb["processes"][1]["buffer_sha256"]
+
+    # only process 0 reports: its summary table and INFO lines; process 1 says nothing unless something is wrong
+    assert "L1 critic" in out["process_0"] and "L1 critic" not in out["process_1"]
+    assert " INFO " not in out["process_1"], out["process_1"][-2000:]
