@@ -45,7 +45,8 @@ PARAMS = [
 ]
 
 # what legitimately differs between the runs: wall-clock times and this process's own episode count
-NOT_COMPARED = ("time/", "tokens_per_s", "collect/episodes_this_process", "eval/episodes_this_process")
+# compile/count: several processes also compile the exchanges' collectives (allgathers)
+NOT_COMPARED = ("time/", "tokens_per_s", "collect/episodes_this_process", "eval/episodes_this_process", "compile/")
 
 
 # ----------------------------------------------------------------------------- start-up rule (no subprocess)
