@@ -45,25 +45,24 @@ def expected_process_count(environ=None) -> int | None:
     env = os.environ if environ is None else environ
     raw = env.get(NUM_PROCESSES_VAR)
     if raw is not None and raw.strip():
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{NUM_PROCESSES_VAR}={raw!r}: expected a positive integer")
-        return n
+        return _positive_int(NUM_PROCESSES_VAR, raw)
     for var in TPU_WORKER_VARS:
         hosts = env.get(var)
         if hosts and hosts.strip():
-            slices = env.get("MEGASCALE_NUM_SLICES") or "1"
-            try:
-                n_slices = int(slices)
-            except ValueError:
-                n_slices = 0
-            if n_slices < 1:
-                raise ValueError(f"MEGASCALE_NUM_SLICES={slices!r}: expected a positive integer")
+            n_slices = _positive_int("MEGASCALE_NUM_SLICES", env.get("MEGASCALE_NUM_SLICES") or "1")
             return len([h for h in hosts.split(",") if h.strip()]) * n_slices
     return None
+
+
+def _positive_int(var: str, raw: str) -> int:
+    """int(raw) if it is a positive integer, else ValueError naming the environment variable."""
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{var}={raw!r}: expected a positive integer")
+    return n
 
 
 def initialize(requested: bool = False, environ=None) -> bool:
