@@ -23,10 +23,12 @@ from typing import Any
 import gin
 
 from nlac_jax import compilations
-# At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.* and
-# ExternalModel.*, and this import is what registers them (before the files are parsed).
+# At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.*,
+# ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
+# files are parsed).
 from nlac_jax.metrics import MetricsWriter, summary_table
-from nlac_jax.models.building import ExternalModel, build_model
+from nlac_jax.judges.client import OpenAIChatModel  # noqa: F401  (registers OpenAIChatModel.* with gin)
+from nlac_jax.models.building import ExternalModel, build_model, external_model
 
 log = logging.getLogger("nlac_jax.loop")
 
@@ -225,6 +227,14 @@ class NLACRun:
         self.sampling = RoleSampling()  # how every role is sampled, for acting, targets and evaluation alike
         self.env_factory = envs.make_env_factory()
         self.env_name = self.env_factory.env_name
+        needs_model = (self.env_name == "twenty_questions" and self.env_factory.oracle == "model") or \
+            (self.env_name.startswith("tau_") and self.env_factory.user == "model")
+        # an endpoint-backed oracle / user first: an unreachable judge fails here, before anything compiles (a local
+        # ExternalModel loads later, after the start-up checks, as its weights take a while)
+        self.external = external_model(endpoint_only=True) if needs_model else None
+        check = getattr(self.external, "check", None)
+        if callable(check):  # an endpoint (judges.OpenAIChatModel): reachable, key accepted, model served
+            check()
         self.task_source = self._task_source()
         self.prompts = prompts_lib.PromptSet(task=self.env_name)
         self.mesh = sharding.make_mesh()
@@ -275,9 +285,9 @@ class NLACRun:
             self.sampler, self.tokenizer,
             get_params=lambda which: holder.state.params if which == "policy" else holder.state.target_params,
             settings=self.sampling, max_batch=self.loop.sampler_max_batch, seed=self.loop.seed)
-        needs_model = (self.env_name == "twenty_questions" and self.env_factory.oracle == "model") or \
-            (self.env_name.startswith("tau_") and self.env_factory.user == "model")
-        generate_fn = ExternalModel() if needs_model else None
+        if needs_model and self.external is None:
+            self.external = external_model()
+        generate_fn = self.external
         # env_pool counts every process's envs: this process plays its share of each iteration's tasks
         self.envs = self.env_factory.make(-(-self.loop.env_pool // self.processes.count), generate_fn)
         self.judge_env = self.env_factory(generate_fn)
@@ -393,6 +403,11 @@ class NLACRun:
         # eval
         if (it + 1) % loop.eval_every == 0 or it + 1 == loop.iterations:
             m.update(self.evaluate(it, bars))
+        # an endpoint-backed oracle / user (judges.OpenAIChatModel): its request, cache and token counters, cumulative
+        # since this process started
+        judge_metrics = getattr(self.external, "metrics", None)
+        if callable(judge_metrics):
+            m.update({f"judge/{k}": v for k, v in judge_metrics().items()})
         new = compilations.since(compiled_before)
         m["compile/count"] = sum(new.values())
         if new and it > self.start_iteration:  # the first iteration compiles everything; later ones should not

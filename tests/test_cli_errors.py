@@ -144,9 +144,9 @@ def test_each_cli_has_its_own_help():
 
 
 def test_every_flag_of_every_cli_has_help():
-    from nlac_jax import evaluate, generate, plot, train
+    from nlac_jax import evaluate, generate, plot, serve, train
     from nlac_jax.experiments import unit_scale
-    for mod in (train, evaluate, generate, plot, unit_scale):
+    for mod in (train, evaluate, generate, plot, serve, unit_scale):
         p = mod.build_parser()
         assert p.prog == mod.PROG and p.description
         for a in p._actions:

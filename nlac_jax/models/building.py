@@ -1,8 +1,10 @@
 """Models built from the run's gin config: the trained model (`build_model`) and the frozen external model of
 model-backed environment parts (`ExternalModel`: the 20Q oracle, the τ-bench user).
 
-Both are gin configurables (`build_model.*`, `ExternalModel.*` in gin/models and gin/runs). The heavy imports stay
-inside the functions: importing this module (gin files do, to register the names) builds nothing.
+Both are gin configurables (`build_model.*`, `ExternalModel.*` in gin/models and gin/runs); `external_model.kind`
+chooses between the local `ExternalModel` and an OpenAI-compatible endpoint (`nlac_jax.judges.OpenAIChatModel`).
+The heavy imports stay inside the functions: importing this module (gin files do, to register the names) builds
+nothing.
 """
 
 from __future__ import annotations
@@ -74,3 +76,24 @@ class ExternalModel:
                                         temperature=0.0, stop_token_ids=self.stop_ids, tokenizer=self.tok)
             out.extend(res.texts)
         return out
+
+
+EXTERNAL_KINDS = ("local", "openai")
+
+
+@gin.configurable
+def external_model(kind: str = "local", endpoint_only: bool = False):
+    """The model behind model-backed environment parts, with the `ExternalModel` call contract
+    (`model(list of prompt strings or chat histories) -> list[str]`).
+
+    kind: 'local' (`ExternalModel`: our sampler in this process) or 'openai' (`judges.OpenAIChatModel`: any
+    OpenAI-compatible chat endpoint, e.g. vLLM or `python -m nlac_jax.serve`; configure `OpenAIChatModel.*`).
+    endpoint_only: return None for 'local' (a call-site argument, not a gin setting): the loop builds an endpoint
+    client first, to check it before anything compiles, and loads a local model later, after its cheaper checks.
+    The caller runs the model's `check()` when it has one (the loop does, at start-up)."""
+    if kind == "local":
+        return None if endpoint_only else ExternalModel()
+    if kind == "openai":
+        from nlac_jax.judges.client import OpenAIChatModel
+        return OpenAIChatModel()
+    raise ValueError(f"external_model.kind must be one of {EXTERNAL_KINDS}, got {kind!r}")

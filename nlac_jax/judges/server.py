@@ -1,0 +1,226 @@
+"""Our sampler behind the OpenAI chat API, as vLLM serves it: ``GET /v1/models``, ``POST /v1/chat/completions``.
+
+``JudgeServer`` is a Werkzeug WSGI app plus one batching worker: each HTTP request (one thread each, Werkzeug's
+threaded server) validates its JSON, renders the chat with the tokenizer's template and puts the prompt on a queue;
+the worker takes what is waiting (up to ``max_batch``, after a short ``batch_wait_s`` for stragglers), groups it by
+sampling settings, and calls ``Sampler.generate`` once per group, so concurrent clients share one sampler call (the
+point of a judge server: the client sends its batch concurrently). Only the worker touches JAX.
+
+Bad requests get HTTP 400 (404 for an unknown model) with OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one.
+``GET /stats`` (not part of the OpenAI API) reports the batching counters.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from werkzeug.exceptions import HTTPException
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+log = logging.getLogger("nlac_jax.judges.server")
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (one-line message, HTTP status, the offending parameter)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _error(status: int, message: str, param: str | None = None) -> Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "InternalServerError")
+    body = {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj), status=status, mimetype="application/json")
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float | None = None, integer: bool = False):
+    v = body.get(name, default)
+    if v is None:
+        v = default
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'} {rng}, got {v!r}", param=name)
+    return v
+
+
+class JudgeServer:
+    """The WSGI app and batching worker for one model (see the module docstring).
+
+    Args:
+      model: an ``nlac_jax.models.Model`` with its tokenizer.
+      name: the model id clients send as ``model`` (vLLM: the served model name).
+      max_batch: most requests in one sampler call.
+      batch_wait_s: after the first waiting request, how long the worker waits for more before sampling.
+      default_max_tokens: ``max_tokens`` when a request sends none.
+    """
+
+    def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
+                 default_max_tokens: int = 256):
+        from nlac_jax import sampling, text
+        if model.tokenizer is None:
+            raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
+        self.model, self.name, self.tok = model, name, model.tokenizer
+        self.max_batch, self.batch_wait_s, self.default_max_tokens = int(max_batch), float(batch_wait_s), \
+            int(default_max_tokens)
+        self.sampler = sampling.Sampler(model.config)
+        self.stop_ids = text.stop_token_ids(self.tok)
+        self.created = int(time.time())
+        self._queue: queue.Queue = queue.Queue()
+        self._seeds = itertools.count()
+        self._lock = threading.Lock()
+        self.stats = dict(requests=0, batches=0, sampler_calls=0, max_batch_seen=0, errors=0)
+        self._worker = threading.Thread(target=self._work, name="judge-batcher", daemon=True)
+        self._worker.start()
+        self._http = None
+
+    # ------------------------------------------------------------------ HTTP
+    def __call__(self, environ, start_response):
+        """The WSGI entry point."""
+        request = Request(environ)
+        try:
+            response = self._route(request)
+        except BadRequest as e:
+            response = _error(e.status, str(e), e.param)
+        except HTTPException as e:
+            response = _error(e.code or 400, e.description or e.name)
+        except Exception as e:  # noqa: BLE001  one bad request must never take the server down
+            log.exception("request failed")
+            with self._lock:
+                self.stats["errors"] += 1
+            response = _error(500, f"{type(e).__name__}: {e}")
+        return response(environ, start_response)
+
+    def _route(self, request: Request) -> Response:
+        path = request.path.rstrip("/")
+        if path == "/v1/models":
+            if request.method != "GET":
+                raise BadRequest(f"{request.method} {path}: use GET", status=405)
+            return _json({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                      "owned_by": "nlac_jax"}]})
+        if path == "/v1/chat/completions":
+            if request.method != "POST":
+                raise BadRequest(f"{request.method} {path}: use POST", status=405)
+            return self._chat(request)
+        if path == "/stats":
+            with self._lock:
+                return _json(dict(self.stats))
+        raise BadRequest(f"no route {request.method} {request.path} (serves /v1/models, /v1/chat/completions)",
+                         status=404)
+
+    def _chat(self, request: Request) -> Response:
+        from nlac_jax import text
+        try:
+            body = json.loads(request.get_data(as_text=True))
+        except ValueError as e:
+            raise BadRequest(f"the body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        if body.get("model") != self.name:
+            raise BadRequest(f"The model `{body.get('model')}` does not exist (this server serves {self.name!r})",
+                             status=404, param="model")
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise BadRequest("'messages' must be a non-empty list of {role: str, content: str}", param="messages")
+        if body.get("stream"):
+            raise BadRequest("'stream' is not supported", param="stream")
+        if body.get("n", 1) != 1:
+            raise BadRequest(f"'n' must be 1, got {body.get('n')!r}", param="n")
+        temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
+        top_p = float(_number(body, "top_p", 1.0, 0.0, 1.0))
+        if top_p <= 0.0:
+            raise BadRequest(f"'top_p' must be in (0, 1], got {top_p!r}", param="top_p")
+        max_tokens = int(_number(body, "max_tokens", self.default_max_tokens, 1, integer=True))
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest("'stop' must be a non-empty string or a list of them", param="stop")
+        try:
+            ids = text.encode_chat(self.tok, [{"role": m["role"], "content": m["content"]} for m in msgs],
+                                   add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  a template that refuses these roles is the request's fault
+            raise BadRequest(f"the chat template refused the messages ({type(e).__name__}: {e})",
+                             param="messages") from None
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(((temperature, top_p, max_tokens, tuple(stop)), ids, fut))
+        content, finish, n_prompt, n_completion = fut.result()
+        return _json({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                      "total_tokens": n_prompt + n_completion}})
+
+    # ------------------------------------------------------------------ the batching worker
+    def _take(self) -> list:
+        items = [self._queue.get()]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(items) < self.max_batch:
+            left = deadline - time.monotonic()
+            try:
+                items.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _work(self) -> None:
+        while True:
+            items = self._take()
+            groups: dict = {}
+            for it in items:
+                groups.setdefault(it[0], []).append(it)
+            with self._lock:
+                self.stats["requests"] += len(items)
+                self.stats["batches"] += 1
+                self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(items))
+            for (temperature, top_p, max_tokens, stop), group in groups.items():
+                try:
+                    out = self.sampler.generate(self.model.params, [g[1] for g in group], max_tokens,
+                                                temperature=temperature, top_p=top_p, stop_token_ids=self.stop_ids,
+                                                stop_strings=stop, seed=next(self._seeds), tokenizer=self.tok)
+                    with self._lock:
+                        self.stats["sampler_calls"] += 1
+                    for i, (_, ids, fut) in enumerate(group):
+                        finish = "length" if out.stop_reason[i] in ("length", "context_full") else "stop"
+                        fut.set_result((out.texts[i], finish, int(out.prompt_lengths[i]), int(out.lengths[i])))
+                except Exception as e:  # noqa: BLE001  the requests fail, the worker lives on
+                    for _, _, fut in group:
+                        if not fut.done():
+                            fut.set_exception(BadRequest(f"sampling failed ({type(e).__name__}: {e})"))
+
+    # ------------------------------------------------------------------ serving
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve in a background thread (threaded Werkzeug server); returns the bound port (port 0: a free one)."""
+        self._http = make_server(host, port, self, threaded=True)
+        threading.Thread(target=self._http.serve_forever, name="judge-http", daemon=True).start()
+        return self._http.server_port
+
+    def serve_forever(self, host: str = "127.0.0.1", port: int = 8000) -> None:
+        """Serve in this thread until interrupted."""
+        self._http = make_server(host, port, self, threaded=True)
+        log.info("serving %s on http://%s:%d/v1", self.name, host, self._http.server_port)
+        self._http.serve_forever()
+
+    def shutdown(self) -> None:
+        """Stop accepting connections and close the listening socket."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

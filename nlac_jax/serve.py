@@ -1,0 +1,67 @@
+"""Serve a model directory behind the OpenAI chat API (as vLLM does), for judges, oracles and users over HTTP.
+
+    python -m nlac_jax.serve --model_dir DIR [--port 8000] [--host 127.0.0.1] [--name NAME] [--max_batch 32]
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions`` (temperature, top_p, max_tokens, stop strings, n=1;
+``usage`` and ``finish_reason`` 'stop' / 'length'); concurrent requests are batched into one sampler call
+(nlac_jax/judges/server.py). The model name is the directory's name unless --name says otherwise. Point
+``OpenAIChatModel.base_url`` at ``http://HOST:PORT/v1``.
+
+Exit codes: 0 interrupted cleanly; 2 usage error (a bad flag, a missing model directory, a port in use); 1 any other
+handled error; --debug shows the full traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from nlac_jax import cli
+
+PROG = "python -m nlac_jax.serve"
+
+
+def build_parser() -> cli.ArgumentParser:
+    """The serve CLI's parser (values are range-checked here: a bad one is refused before the model loads)."""
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--model_dir", required=True, metavar="DIR",
+                   help="HF model directory (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=cli.int_at_least(0), default=8000, help="TCP port (default 8000; 0 = a free one)")
+    p.add_argument("--name", default=None, help="served model name (default: the directory's name)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--max_batch", type=cli.int_at_least(1), default=32,
+                   help="most requests in one sampler call (default 32)")
+    p.add_argument("--batch_wait_ms", type=cli.finite_at_least(0.0), default=5.0,
+                   help="how long the batcher waits for more requests after the first (default 5 ms)")
+    p.add_argument("--default_max_tokens", type=cli.int_at_least(1), default=256,
+                   help="max_tokens when a request sends none (default 256)")
+    return p
+
+
+def parse_flags(argv=None):
+    """The serve CLI's flags."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Load the model and serve until interrupted."""
+    flags = parse_flags(argv)
+    from nlac_jax import train
+    train.setup_logging()
+    cli.require_dir(flags.model_dir, "--model_dir")
+    from nlac_jax import models
+    from nlac_jax.judges.server import JudgeServer
+    name = flags.name or os.path.basename(os.path.normpath(flags.model_dir))
+    model = models.load_pretrained(flags.model_dir, dtype=flags.dtype)
+    server = JudgeServer(model, name, max_batch=flags.max_batch, batch_wait_s=flags.batch_wait_ms / 1000.0,
+                         default_max_tokens=flags.default_max_tokens)
+    try:
+        server.serve_forever(flags.host, flags.port)
+    except OSError as e:
+        raise cli.UsageError(f"--host {flags.host} --port {flags.port}: cannot listen ({e.strerror or e})") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main, prog=PROG))
