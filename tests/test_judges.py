@@ -150,18 +150,34 @@ def test_model_backed_env_through_the_client(served, name, kw):
 
 
 def test_server_killed_mid_run_one_line_error_and_cache_kept(model_dir, tmp_path):
+    import threading
+
+    from werkzeug.serving import make_server
     server = JudgeServer(models.load_pretrained(model_dir), NAME, default_max_tokens=4)
-    url = f"http://127.0.0.1:{server.start('127.0.0.1', 0)}/v1"
-    client = _client(url, tmp_path, max_retries=2, backoff_s=0.05, timeout_s=30)
-    done = client.complete([[{"role": "user", "content": "answered before"}]])
-    server.shutdown()
+    answered = []
+
+    def dies_after_two(environ, start_response):  # the server goes away in the middle of the client's batch
+        if environ["PATH_INFO"].endswith("/chat/completions") and len(answered) >= 2:
+            threading.Thread(target=lambda: (http.shutdown(), http.server_close())).start()
+            start_response("503 Service Unavailable", [("Content-Type", "application/json")])
+            return [b'{"error": {"message": "going down"}}']
+        answered.append(environ["PATH_INFO"])
+        return server(environ, start_response)
+
+    http = make_server("127.0.0.1", 0, dies_after_two, threaded=True)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_port}/v1"
+    client = _client(url, tmp_path, max_workers=1, max_retries=2, backoff_s=0.1, timeout_s=30)
+    chats = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
     with pytest.raises(JudgeError) as e:
-        client.complete([[{"role": "user", "content": "answered before"}], [{"role": "user", "content": "new"}]])
+        client.complete(chats)
     msg = str(e.value)
-    assert "\n" not in msg and url + "/chat/completions" in msg and "3 tries" in msg
+    assert "\n" not in msg and url + "/chat/completions" in msg and "3 tries" in msg, msg
+    # the two answered before the failure are on disk: a new client (a resumed run) asks only for the rest
     fresh = _client(url, tmp_path)
-    assert fresh.complete([[{"role": "user", "content": "answered before"}]]) == done  # from the cache
-    assert fresh.metrics()["http_calls"] == 0
+    assert len(fresh.cache) == 2
+    hits = [fresh.cache.get(request_key(fresh.request_body(c))) is not None for c in chats]
+    assert sum(hits) == 2
 
 
 def test_unreachable_endpoint_at_start_up(monkeypatch):
