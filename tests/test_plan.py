@@ -1,0 +1,129 @@
+"""The planner (`python -m nlac_jax.plan`): TPU ahead-of-time compiles on this CPU, its byte accounting against the
+compiled executables, the model gin files' config.json numbers, and its one-line errors."""
+
+import importlib.util
+import os
+
+import gin
+import jax
+import pytest
+
+from nlac_jax import cli, footprint, models, plan, sampling, sharding, tpu_specs, training
+from nlac_jax.sampling import decode
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+NO_LIBTPU = "libtpu is not installed (pip install -r requirements-tpu.txt): no TPU ahead-of-time compiles here"
+
+
+def _small_cfg(**kw) -> models.ModelConfig:
+    """A scaled-down Qwen2 (the 7B's block, untied head, bf16 compute over float32 master weights)."""
+    base = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=64, tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32", remat="dots")
+    return models.ModelConfig(**{**base, **kw})
+
+
+def _run_cli(argv, capsys):
+    try:
+        code = cli.run(plan.main, argv, prog=plan.PROG)
+    finally:
+        gin.clear_config()
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
+def test_tpu_aot_compile_bytes_equal_the_planners():
+    """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports
+    per chip are exactly the planner's train-state (θ, θ̄, optimiser) + batch bytes, and θ + decode state bytes."""
+    slc = tpu_specs.parse_slice("v5p-8")
+    devices = plan.topology_devices(slc)
+    assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
+    mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=devices)
+    cfg = _small_cfg()
+    opt = training.make_optimizer()
+    step = training.make_train_step(cfg, mesh, opt, num_microbatches=2, loss_chunk=32)
+    state = training.abstract_train_state(cfg, mesh, opt)
+    batch = plan.abstract_batch(mesh, 8, 64)
+    with sharding.use_mesh(mesh):
+        train, _ = plan.compile_one("train step", "", lambda: step.jitted.lower(state, batch))
+    state_bytes = footprint.bytes_per_chip(state)
+    assert state_bytes == sum(footprint.bytes_per_chip(getattr(state, k)) for k in
+                              ("params", "opt_state", "target_params", "step", "rng", "skipped", "consecutive_skips"))
+    # θ is sharded 4 ways (fsdp x tensor) except what does not divide; θ̄ like θ; Adam: two moments like θ
+    theta = footprint.bytes_per_chip(state.params)
+    assert footprint.bytes_per_chip(state.target_params) == theta
+    assert 2 * theta <= footprint.bytes_per_chip(state.opt_state) <= 2 * theta + 64
+    assert theta < 4 * cfg.num_params // 2  # really sharded
+    assert train.arguments == state_bytes + footprint.bytes_per_chip(batch)
+    assert train.aliased >= theta  # the donated state is updated in place
+
+    sampler = sampling.Sampler(cfg, mesh=mesh)
+    assert sampler.layer_loop == "scan"  # TPU devices: the scanned layer loop
+    params = footprint.with_shardings(training.abstract_params(cfg), models.param_shardings(cfg, mesh))
+    prefill, dec = plan.compile_sampler("sampler", sampler, cfg, mesh, params, 8, 32, 16)
+    ctl = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(decode.controls)))
+    assert dec.arguments == footprint.bytes_per_chip(params) + prefill.outputs + ctl
+    assert dec.aliased > 0  # the decode state (KV cache) is donated
+
+
+def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"],
+                              capsys)
+    assert code == 0, err
+    assert "| train step |" in out and "prefill" in out and "decode" in out
+    assert "loop peak per chip" in out and "FLOPs" in out and "estimate" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "executable" not in line]
+    assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
+
+
+def test_plan_does_not_fit_is_one_line(capsys):
+    # 4,096 prompts of ~4k tokens per sampler call: the prefill's attention scores alone are far beyond 16 GB
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5e-8", "--cpu-devices=8",
+                               "--gin_param=LoopConfig.sampler_max_batch = 4096",
+                               "--gin_param=LoopConfig.max_len = 4096"], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "does not fit" in err and "over by" in err and "prefill" in err, err
+    assert "| NO |" in out
+
+
+@pytest.mark.parametrize("topology, what", [("v9-8", "unknown TPU generation"), ("v5p-63", "multiple of 2"),
+                                            ("tpu", "slice name"), ("v5e-3", "no v5e slice of 3 chips")])
+def test_plan_bad_topology_is_one_line(topology, what, capsys):
+    code, _, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", f"--topology={topology}"], capsys)
+    assert code == 2 and err.count("\n") == 1 and what in err and topology in err, err
+
+
+def test_slice_table():
+    s = tpu_specs.parse_slice("v4-32")
+    assert (s.chips, s.topology_name, s.chip.hbm_bytes) == (16, "v4:2x2x4", 32 << 30)
+    s = tpu_specs.parse_slice("v5p-64")
+    assert (s.chips, s.topology_name) == (32, "v5p:2x4x4")
+    assert (tpu_specs.parse_slice("v5e-256").topology_name, tpu_specs.parse_slice("v6e-64").chips) == ("v5e:16x16", 64)
+    assert tpu_specs.parse_slice("v5litepod-16").chips == 16
+
+
+# the published parameter counts of the shipped models (their model cards: 0.49B, 1.54B, 3.09B, 7.62B, 32.5B)
+@pytest.mark.parametrize("name, billions", [("qwen2_5_0_5b", 0.494), ("qwen2_5_1_5b", 1.544), ("qwen2_5_3b", 3.086),
+                                            ("qwen2_5_7b", 7.616), ("qwq_32b", 32.764)])
+def test_model_gin_files_carry_their_config(name, billions):
+    from nlac_jax.models import building
+    try:
+        gin.parse_config_files_and_bindings([os.path.join(REPO, "gin", "models", f"{name}.gin")], ["MODEL_DIR = None"])
+        cfg, tok, model_dir = building.build_model()
+    finally:
+        gin.clear_config()
+    assert tok is None and model_dir is None
+    assert abs(cfg.num_params / 1e9 - billions) < 0.001, cfg.num_params
+
+
+def test_hf_config_mismatch_with_model_dir_is_refused(tmp_path):
+    from nlac_jax import tiny
+    from nlac_jax.models import building
+    m = models.random_model(models.ModelConfig(vocab_size=576, hidden_size=32, intermediate_size=64, num_layers=1,
+                                               num_heads=2, num_kv_heads=1, head_dim=16))
+    m.tokenizer = tiny.make_tiny_tokenizer()
+    m.save_pretrained(str(tmp_path))
+    building.build_model(str(tmp_path), hf_config={"hidden_size": 32, "num_hidden_layers": 1})  # agrees: fine
+    with pytest.raises(models.ConfigError, match="hidden_size = 32, but build_model.hf_config"):
+        building.build_model(str(tmp_path), hf_config={"hidden_size": 3584})
