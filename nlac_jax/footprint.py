@@ -17,20 +17,45 @@ import math
 import numpy as np
 
 
+class DoesNotFit(RuntimeError):
+    """A run needs more memory per chip than the slice has; the message is the one line the planner prints."""
+
+
 # ----------------------------------------------------------------------------- bytes
-def leaf_bytes_per_chip(x) -> int:
-    """Bytes one device holds of `x` (a jax.Array or a ShapeDtypeStruct with a sharding; no sharding = whole)."""
+def leaf_bytes_per_chip(x, layout=None) -> int:
+    """Bytes one device holds of `x` (a jax.Array or a ShapeDtypeStruct with a sharding; no sharding = whole).
+
+    layout: the device layout of the array (`compiled.input_formats` leaves' `.layout`), or None for dense bytes.
+    TPUs store arrays in tiles (e.g. 8 x 128 elements over the two minor-most dimensions): each of those
+    dimensions is rounded up to its tile, so a [2, 64] float32 norm scale takes 2 x 128 x 4 bytes, not 2 x 64 x 4."""
     shape = tuple(x.shape)
     sh = getattr(x, "sharding", None)
     if sh is not None:
         shape = tuple(sh.shard_shape(shape))
+    tiling = getattr(layout, "tiling", None)
+    if tiling:
+        dims = [shape[i] for i in layout.major_to_minor]  # physical order, major first
+        tile = tiling[0]
+        if len(dims) >= len(tile):
+            for k in range(1, len(tile) + 1):
+                dims[-k] = -(-dims[-k] // tile[-k]) * tile[-k]
+        else:  # a scalar still occupies a whole tile
+            dims = list(tile)
+        shape = tuple(dims)
     return int(math.prod(shape)) * np.dtype(x.dtype).itemsize
 
 
-def bytes_per_chip(tree) -> int:
-    """Sum of `leaf_bytes_per_chip` over a pytree (the per-device bytes of a fully sharded, even layout)."""
+def bytes_per_chip(tree, formats=None) -> int:
+    """Sum of `leaf_bytes_per_chip` over a pytree; `formats`: the matching tree of device formats (from a compiled
+    executable's `input_formats`) for the tiled on-device size, or None for dense bytes."""
     import jax
-    return sum(leaf_bytes_per_chip(x) for x in jax.tree.leaves(tree))
+    leaves = jax.tree.leaves(tree)
+    if formats is None:
+        return sum(leaf_bytes_per_chip(x) for x in leaves)
+    fmts = jax.tree.leaves(formats, is_leaf=lambda f: hasattr(f, "layout"))
+    if len(fmts) != len(leaves):
+        raise ValueError(f"bytes_per_chip: {len(leaves)} arrays but {len(fmts)} formats")
+    return sum(leaf_bytes_per_chip(x, getattr(f, "layout", None)) for x, f in zip(leaves, fmts))
 
 
 def with_shardings(shapes, shardings):

@@ -34,12 +34,9 @@ import re
 import sys
 
 from nlac_jax import cli, tpu_specs
+from nlac_jax.footprint import DoesNotFit  # noqa: F401  (raised here; defined there for one-line CLI errors)
 
 PROG = "python -m nlac_jax.plan"
-
-
-class DoesNotFit(RuntimeError):
-    """The run needs more memory per chip than the slice has; the message is the one line the CLI prints."""
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -75,6 +72,12 @@ def topology_devices(slc: tpu_specs.Slice) -> list:
     except ImportError:
         raise cli.UsageError(f"--topology={slc.name}: compiling for a TPU topology needs libtpu (pip install -r "
                              f"requirements-tpu.txt), or pass --cpu-devices {slc.chips} for a CPU-only check") from None
+    # libtpu looks for a TPU VM's metadata when it loads and logs a screenful of warnings without it; the topology
+    # below is given explicitly, so these only quiet the loader (read once, when the plugin loads)
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", slc.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # compile-only: no chip is opened, so several planners (or a planner beside the tests) may load libtpu at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kw = {"chip_config_name": "megacore"} if slc.chip.cores_per_chip == 2 else {}
     topo = topologies.get_topology_desc(topology_name=slc.topology_name, platform="tpu", **kw)
     if len(topo.devices) != slc.chips:
@@ -213,7 +216,8 @@ class Plan:
 
     @property
     def hbm(self) -> int:
-        return self.slice.chip.hbm_bytes
+        """What a program may use of a chip's HBM (tpu_specs.USABLE_HBM_FRACTION)."""
+        return self.slice.chip.usable_hbm_bytes
 
     @property
     def peak(self) -> Executable:
@@ -224,7 +228,8 @@ class Plan:
         c = self.cfg
         sb = self.state_bytes
         lines = [
-            f"plan: {self.slice.name} ({self.slice.chips} chips, {fmt_bytes(self.hbm)} HBM, "
+            f"plan: {self.slice.name} ({self.slice.chips} chips, {fmt_bytes(self.slice.chip.hbm_bytes)} HBM of "
+            f"which programs get {fmt_bytes(self.hbm)}, "
             f"{self.slice.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 and {self.slice.chip.hbm_bandwidth / 1e9:.0f} "
             f"GB/s per chip; {self.slice.chip.source}), compiled for {self.where}",
             f"model: {c.model_type} {c.num_params / 1e9:.2f}B params, {c.num_layers} layers, dtype {c.dtype}, "
@@ -233,7 +238,7 @@ class Plan:
             f"{fmt_bytes(sb['opt_state'])}, total {fmt_bytes(sb['total'])}"
             + (f"; external model {fmt_bytes(sb['external'])}" if sb.get("external") else ""),
             "",
-            "| executable | shape | arguments | outputs | temporaries | aliased | its own peak | loop peak | HBM | fits |",
+            "| executable | shape | arguments | outputs | temporaries | aliased | its own peak | loop peak | usable HBM | fits |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in self.executables:
@@ -266,6 +271,17 @@ class Plan:
                 f"{self.slice.name} chips have {fmt_bytes(self.hbm)}: over by {fmt_bytes(p.loop_peak - self.hbm)}")
 
 
+def state_bytes(state, compiled_step) -> dict:
+    """Per-chip bytes of the train state's parts {params, opt_state, target_params, total}, in the device layouts
+    of the compiled train step (its first argument), so they add up to what the chip holds."""
+    from nlac_jax import footprint
+    fmt = compiled_step.input_formats[0][0]
+    out = {k: footprint.bytes_per_chip(getattr(state, k), getattr(fmt, k)) for k in
+           ("params", "opt_state", "target_params")}
+    out["total"] = footprint.bytes_per_chip(state, fmt)
+    return out
+
+
 def _needs_external_model(env_factory) -> bool:
     """Whether the environment plays against a model (the loop builds ExternalModel then)."""
     name = env_factory.env_name
@@ -296,13 +312,13 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
         notes.append(f"a micro-batch of {B // m} rows does not split over the {dp} data-parallel shards: it is "
                      f"replicated (raise LoopConfig.batch_size or lower make_train_step.num_microbatches)")
 
-    # the train state: resident for the whole run
+    # the train state: resident for the whole run (bytes as the device stores them: TPU layouts are tiled)
     state = training.abstract_train_state(cfg, mesh, optimizer)
-    sb = {k: footprint.bytes_per_chip(getattr(state, k)) for k in ("params", "opt_state", "target_params")}
-    sb["total"] = footprint.bytes_per_chip(state)
     batch = abstract_batch(mesh, B, T)
     with sharding.use_mesh(mesh):
-        train, _ = compile_one("train step", f"B={B} T={T} micro-batches={m}", lambda: step.jitted.lower(state, batch))
+        train, train_c = compile_one("train step", f"B={B} T={T} micro-batches={m}",
+                                     lambda: step.jitted.lower(state, batch))
+    sb = state_bytes(state, train_c)
     exes = [train]
 
     # the frozen user / oracle model: resident for the whole run (its weights as ExternalModel loads them)
@@ -324,8 +340,8 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     for role in CHAT_ROLES:
         buckets.setdefault(sampler.buckets(loop.sampler_max_batch, max(1, budgets[role]), rs.budget(role)),
                            []).append(role)
-    params = footprint.with_shardings(training.abstract_params(cfg), models.param_shardings(cfg, mesh))
-    p_bytes = footprint.bytes_per_chip(params)
+    params = state.params
+    p_bytes = sb["params"]
     for (bb, tb, nb), roles in sorted(buckets.items()):
         for e in compile_sampler(f"sampler {'/'.join(roles)}", sampler, cfg, mesh, params, bb, tb, nb):
             e.resident, e.shared_args = sb["total"] + ext_bytes, p_bytes
@@ -387,6 +403,9 @@ def main(argv=None) -> int:
     if flags.cpu_devices is not None:
         devices, where = cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"
     else:
+        import jax
+        # compile-only TPU executables cannot be read back from the persistent cache (no TPU client to load them)
+        jax.config.update("jax_enable_compilation_cache", False)
         devices, where = topology_devices(slc), f"TPU topology {slc.topology_name}"
     plan = make_plan(slc, devices, where)
     print(plan.report(), flush=True)

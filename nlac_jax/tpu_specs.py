@@ -21,6 +21,9 @@ import dataclasses
 import re
 
 GIB = 1 << 30
+# The runtime keeps part of HBM for itself: libtpu 0.0.42.1's compiler offers programs 30.75 GiB of a v4 chip's
+# 32 GiB (its out-of-memory message says so). The planner counts a run as fitting only within this fraction.
+USABLE_HBM_FRACTION = 30.75 / 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,11 @@ class ChipSpec:
     cores_per_chip: int      # TensorCores per chip: what the number in a slice name counts on v4/v5p
     dims: int                # torus dimensions (3: v4/v5p, 2: v5e/v6e)
     source: str
+
+    @property
+    def usable_hbm_bytes(self) -> int:
+        """HBM a program can use (USABLE_HBM_FRACTION of the chip's)."""
+        return int(self.hbm_bytes * USABLE_HBM_FRACTION)
 
 
 CHIPS: dict[str, ChipSpec] = {

@@ -29,7 +29,7 @@ def test_no_involuntary_full_rematerialization(tied, capfd, fresh_compiles):
     capfd.readouterr()
     with sharding.use_mesh(mesh):
         step.jitted.lower(state, plan.abstract_batch(mesh, 8, 32)).compile()
-    params = footprint.with_shardings(training.abstract_params(cfg), models.param_shardings(cfg, mesh))
+    params = state.params
     for loop in ("unrolled", "scan"):  # the CPU's layer loop and the TPU's
         sampler = sampling.Sampler(cfg, mesh=mesh, layer_loop=loop)
         plan.compile_sampler(f"sampler ({loop})", sampler, cfg, mesh, params, 8, 16, 16)
