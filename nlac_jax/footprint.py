@@ -65,10 +65,12 @@ def with_shardings(shapes, shardings):
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes as GiB (or MiB below 1 GiB), e.g. '12.34 GiB'."""
+    """Bytes as GiB (MiB below 1 GiB, KiB below 1 MiB), e.g. '12.34 GiB'."""
     if abs(n) >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
+    if abs(n) >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
 
 
 @dataclasses.dataclass(frozen=True)
