@@ -268,7 +268,7 @@ class Plan:
             raise DoesNotFit(
                 f"does not fit: {p.name} ({p.shape}) needs {fmt_bytes(p.loop_peak)} per chip at the loop's peak "
                 f"(its own {fmt_bytes(p.own_peak)} + resident {fmt_bytes(p.resident - p.shared_args)}), "
-                f"{self.slice.name} chips have {fmt_bytes(self.hbm)}: over by {fmt_bytes(p.loop_peak - self.hbm)}")
+                f"a program may use {fmt_bytes(self.hbm)} of a {self.slice.name} chip: over by {fmt_bytes(p.loop_peak - self.hbm)}")
 
 
 def state_bytes(state, compiled_step) -> dict:
