@@ -4,7 +4,7 @@
 import jax
 import pytest
 
-from nlac_jax import footprint, models, plan, sampling, sharding, training
+from nlac_jax import models, plan, sampling, sharding, training
 
 MARKER = "Involuntary full rematerialization"
 
