@@ -30,7 +30,13 @@ $(SEQIO_STAMP): $(STAMP) requirements-seqio.txt
 	$(PIP) install -q -r requirements-seqio.txt
 	touch $(SEQIO_STAMP)
 
-test: $(STAMP) $(SEQIO_STAMP)
+# libtpu (~700 MB) for the TPU ahead-of-time compile tests (tests/test_plan.py) and the planner: `make test` only
+TPU_STAMP := $(VENV)/.installed-tpu
+$(TPU_STAMP): $(STAMP) requirements-tpu.txt
+	$(PIP) install -q -r requirements-tpu.txt
+	touch $(TPU_STAMP)
+
+test: $(STAMP) $(SEQIO_STAMP) $(TPU_STAMP)
 	$(PY) -m pytest -q --durations=15
 
 clean:

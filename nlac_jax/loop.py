@@ -242,6 +242,9 @@ class NLACRun:
         self._fit_prompts()
         self.optimizer = training.make_optimizer()
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
+        if jax.process_index() == 0:  # what each chip holds of θ, per parameter class (the planner's numbers)
+            from nlac_jax import footprint
+            log.info("%s", footprint.param_class_table(self.cfg, self.mesh))
         # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
         fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
         self.checkpointer = training.Checkpointer(os.path.join(self.workdir, "checkpoints"),

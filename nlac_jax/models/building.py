@@ -22,23 +22,34 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
                 scan_layers: bool = True, remat: str = "none", hidden_size: int = 64, intermediate_size: int = 128,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                 model_type: str = "qwen2", tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
-                tokenizer_vocab_size: int = 512):
+                tokenizer_vocab_size: int = 512, hf_config: dict | None = None):
     """(ModelConfig, tokenizer, HF directory or None). With `model_dir`: its config.json and tokenizer (weights are
     loaded later, straight into their shardings); without: a random model of the given size over the tiny
     in-process byte-level tokenizer (no downloads). A relative `model_dir` that does not exist from the current
     directory is looked up from the repository root (gin files name shipped models, e.g. the demo's warm start).
 
+    hf_config: the model's config.json fields, written in its gin model file (gin/models/*.gin). Without a
+    `model_dir` they define the model (ModelConfig.from_hf_dict; no tokenizer: returns (cfg, None, None)), which is
+    all the planner (`nlac_jax.plan`) needs; with one, every field given must equal config.json's (a mismatch is a
+    ConfigError naming the field and both values), so the gin file cannot describe another model than it loads.
+
     Random model shapes: embedding [vocab_size, hidden_size] with vocab_size = len(tokenizer) rounded up to a
     multiple of 64; num_layers layers of num_heads query / num_kv_heads key-value heads of head_dim each."""
     from nlac_jax import models, text, tiny
     run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
+    if hf_config is not None and not isinstance(hf_config, dict):
+        raise models.ConfigError(f"build_model.hf_config = {hf_config!r}: expected a dict of config.json fields")
     if model_dir is not None:
         if not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
                 os.path.isdir(os.path.join(_REPO_ROOT, model_dir)):
             model_dir = os.path.join(_REPO_ROOT, model_dir)
+        if hf_config is not None:
+            _check_hf_config(hf_config, model_dir)
         cfg, tok = models.ModelConfig.from_hf_file(model_dir, **run), text.load_tokenizer(model_dir)
         models.check_tokenizer(cfg, tok, model_dir)
         return cfg, tok, model_dir
+    if hf_config is not None:
+        return models.ModelConfig.from_hf_dict(dict(hf_config), source="gin build_model.hf_config", **run), None, None
     tok = tiny.make_tiny_tokenizer(vocab_size=tokenizer_vocab_size)
     cfg = models.ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=hidden_size,
                              intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
@@ -49,18 +60,37 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
     return cfg, tok, None
 
 
+def _check_hf_config(hf_config: dict, model_dir: str) -> None:
+    """Every field of the gin file's hf_config must equal the model directory's config.json (ConfigError otherwise)."""
+    import json
+    from nlac_jax import models
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return  # from_hf_file reports the missing file
+    with open(path) as f:
+        d = json.load(f)
+    for key, want in hf_config.items():
+        have = d.get(key)
+        if have != want and not (isinstance(want, (list, tuple)) and list(want) == have):
+            raise models.ConfigError(f"{path}: {key} = {have!r}, but build_model.hf_config (the gin model file) says "
+                                     f"{want!r}: MODEL_DIR holds another model than the gin file describes")
+
+
 @gin.configurable
 class ExternalModel:
     """A separate, frozen model for model-backed environment parts (20Q oracle, τ-bench user), greedy.
 
     model_dir: HF directory (required when an env factory uses oracle='model' or user='model').
+    sharded: place the weights on the run's mesh (`sharding.make_mesh()`, as gin configures it) instead of one
+      device: a 7B user simulator is 15 GB in bfloat16, half of a v4 chip next to its share of the train state.
     """
 
     def __init__(self, model_dir: str = gin.REQUIRED, dtype: str = "bfloat16", max_new_tokens: int = 128,
-                 max_batch: int = 64):
-        from nlac_jax import models, sampling, text
-        self.model = models.load_pretrained(model_dir, dtype=dtype)
-        self.sampler = sampling.Sampler(self.model.config)
+                 max_batch: int = 64, sharded: bool = True):
+        from nlac_jax import models, sampling, sharding, text
+        mesh = sharding.make_mesh() if sharded else None
+        self.model = models.load_pretrained(model_dir, dtype=dtype, mesh=mesh)
+        self.sampler = sampling.Sampler(self.model.config, mesh=mesh)
         self.tok, self.max_new_tokens, self.max_batch = self.model.tokenizer, max_new_tokens, max_batch
         self.stop_ids = text.stop_token_ids(self.tok)
 

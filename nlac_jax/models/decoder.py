@@ -194,7 +194,11 @@ class Embed(nn.Module):
                                 ("vocab", "embed"), self.param_dtype)
 
     def __call__(self, tokens: Array) -> Array:
-        x = jnp.take(self.embedding, tokens, axis=0)
+        # Gather from rows split over 'vocab' only: the table's 'embed' axis is FSDP-sharded, which a batch-sharded
+        # lookup cannot keep, so XLA would replicate the whole table ("Involuntary full rematerialization").
+        # Gathering the embed axis first is what FSDP does for every other weight.
+        table = sharding.constrain(self.embedding, ("vocab", None))
+        x = jnp.take(table, tokens, axis=0)
         if self.scale:  # as transformers: the scale is rounded to the table's dtype, then multiplied in it
             x = x * jnp.asarray(self.features ** 0.5, self.embedding.dtype)
         return x.astype(self.dtype)

@@ -1,0 +1,417 @@
+"""Plan a run before renting the slice: compile its executables for a TPU topology on this CPU and say whether the
+loop fits, per chip.
+
+    python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail.gin --topology=v5p-64 [--gin_param=...]
+    python -m nlac_jax.plan --gin_file=... --topology=v5p-64 --cpu-devices 32     # quick check, no libtpu
+
+It builds what `python -m nlac_jax.train` would build from the same gin files, without weights and without
+allocating anything: the model config (`build_model`; the config.json numbers come from the gin model file's
+`build_model.hf_config`, so MODEL_DIR is not needed), the mesh (`make_mesh.*`) over the slice's devices, and the
+abstract train state. It then ahead-of-time compiles, for the slice (`jax.experimental.topologies`; libtpu from
+requirements-tpu.txt compiles TPU executables on a CPU):
+  - the train step (`make_train_step.*`: the batch is LoopConfig.batch_size rows of LoopConfig.max_len tokens);
+  - the sampler's prefill and decode loop at every distinct (batch, prompt, new-token) bucket the roles use at the
+    run's largest sampler batch (LoopConfig.sampler_max_batch, prompts fitted to max_len minus each role's budget,
+    nlac.RoleSampling.max_new_tokens); smaller calls (evaluation, shrinking rollouts) use smaller buckets of the
+    same executables, whose memory is bounded by these;
+  - the frozen user / oracle model (`ExternalModel`) when the environment needs one.
+
+It prints, per executable, the per-chip bytes XLA reports (arguments, outputs, temporaries, aliased) and the loop's
+peak on a chip (the train state and the external model stay resident while the samplers run), against the chip's
+HBM (nlac_jax/tpu_specs.py); the analytic FLOPs of a train step and of a generated token; and a roofline estimate
+of step time and decode tokens/s (peak FLOP/s or HBM bandwidth, whichever binds; no communication: an estimate,
+not a measurement). When something does not fit it exits 1 with one line on stderr saying what and by how much.
+
+Exit codes: 0 fits; 1 does not fit (or another handled error); 2 usage or configuration error (a bad --topology,
+a gin mistake); --debug shows tracebacks (nlac_jax/cli.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+from nlac_jax import cli, tpu_specs
+from nlac_jax.footprint import DoesNotFit  # noqa: F401  (raised here; defined there for one-line CLI errors)
+
+PROG = "python -m nlac_jax.plan"
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
+                   help="gin file, e.g. gin/runs/qwen2_5_7b_tau_retail.gin (repeatable; later files override)")
+    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
+                   help="one gin binding (repeatable; applied after the files)")
+    p.add_argument("--topology", required=True, metavar="SLICE",
+                   help="Cloud TPU slice as Cloud TPU names it: v4-32, v5p-64, v5e-256, v6e-64, ...")
+    p.add_argument("--cpu-devices", "--cpu_devices", dest="cpu_devices", type=cli.int_at_least(1), default=None,
+                   metavar="N", help="compile for N simulated CPU devices instead of the TPU topology (no libtpu; "
+                                     "the HBM and roofline numbers stay the slice's)")
+    return p
+
+
+# ----------------------------------------------------------------------------- devices
+def _setup_platform(cpu_devices: int | None) -> None:
+    """The planner itself never runs on an accelerator: CPU backend, and N CPU devices for --cpu-devices (set before
+    JAX starts its backends; in a process that already started them, the existing CPU devices are used)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    from jax._src import xla_bridge  # noqa: F401  (jax.config needs the backend flags registered)
+    if cpu_devices is not None and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+
+
+def topology_devices(slc: tpu_specs.Slice) -> list:
+    """Compile-only TPU devices of the slice (one per chip). Needs libtpu (requirements-tpu.txt)."""
+    from jax.experimental import topologies
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise cli.UsageError(f"--topology={slc.name}: compiling for a TPU topology needs libtpu (pip install -r "
+                             f"requirements-tpu.txt), or pass --cpu-devices {slc.chips} for a CPU-only check") from None
+    # libtpu looks for a TPU VM's metadata when it loads and logs a screenful of warnings without it; the topology
+    # below is given explicitly, so these only quiet the loader (read once, when the plugin loads)
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", slc.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # compile-only: no chip is opened, so several planners (or a planner beside the tests) may load libtpu at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kw = {"chip_config_name": "megacore"} if slc.chip.cores_per_chip == 2 else {}
+    topo = topologies.get_topology_desc(topology_name=slc.topology_name, platform="tpu", **kw)
+    if len(topo.devices) != slc.chips:
+        raise RuntimeError(f"--topology={slc.name}: libtpu's topology {slc.topology_name!r} has "
+                           f"{len(topo.devices)} devices, the table says {slc.chips} chips")
+    return list(topo.devices)
+
+
+def cpu_devices(n: int) -> list:
+    import jax
+    devs = jax.devices("cpu")
+    if len(devs) < n:
+        raise cli.UsageError(f"--cpu-devices {n}: this process has only {len(devs)} CPU devices (JAX was started "
+                             f"before the planner could ask for more)")
+    return devs[:n]
+
+
+# ----------------------------------------------------------------------------- compiled executables
+@dataclasses.dataclass
+class Executable:
+    """One compiled executable's per-chip memory (XLA's memory_analysis) and where it sits in the loop.
+
+    resident: bytes that stay on the chip while this executable runs but are not among its arguments (the train
+    state while a sampler runs, the external model's weights). shared_args: bytes of its arguments that ARE the
+    resident state (the sampler's θ), counted once."""
+
+    name: str
+    shape: str
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    code: int
+    resident: int = 0
+    shared_args: int = 0
+
+    @property
+    def own_peak(self) -> int:
+        """Arguments + outputs (less the donated, aliased ones) + temporaries + code: what XLA needs for it alone."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+    @property
+    def loop_peak(self) -> int:
+        """own_peak plus what else the loop keeps on the chip meanwhile."""
+        return self.own_peak + self.resident - self.shared_args
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|exceeds the (?:available|memory)", re.I)
+
+
+def compile_one(name: str, shape: str, lower) -> tuple[Executable, object]:
+    """lower() -> jax Lowered; compile it and read its per-chip memory. A compile that runs out of HBM (the TPU
+    compiler knows the chip's size) raises DoesNotFit with the compiler's own numbers."""
+    try:
+        compiled = lower().compile()
+    except Exception as e:  # noqa: BLE001  XlaRuntimeError's class moves between jaxlib versions
+        msg = " ".join(str(e).split())
+        if _OOM.search(msg):
+            raise DoesNotFit(f"does not fit: {name} ({shape}): the TPU compiler ran out of HBM: {msg[:400]}") from None
+        raise
+    m = compiled.memory_analysis()
+    ex = Executable(name, shape, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                    int(m.temp_size_in_bytes), int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
+    return ex, compiled
+
+
+def _rep(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P())
+
+
+def abstract_batch(mesh, batch: int, length: int) -> dict:
+    """The token batch of the train step as sharded ShapeDtypeStructs (docs/ARCHITECTURE.md, "Token batches")."""
+    import jax
+    from nlac_jax import sharding
+    shardings = sharding.batch_shardings(mesh)
+    out = {}
+    for k, dtype in _BATCH_DTYPE.items():
+        shape = (batch, length) if len(sharding.BATCH_LOGICAL_AXES[k]) == 2 else (batch,)
+        out[k] = jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
+    return out
+
+
+# the token-batch contract's dtypes (docs/ARCHITECTURE.md; training.step.BATCH_KEYS in this order)
+_BATCH_DTYPE = {"input_ids": "int32", "attention_mask": "int32", "positions": "int32", "loss_mask": "float32",
+                "kind": "int32", "weight": "float32"}
+
+
+def sampler_args(cfg, mesh, params, batch: int, prompt: int):
+    """Abstract (params, ids, mask, live, key, controls) for Sampler.prefill at this bucket."""
+    import jax
+    import jax.numpy as jnp
+    from nlac_jax import sharding
+    from nlac_jax.sampling import decode
+    rows = sharding.named_sharding(("batch", "length"), (batch, prompt), mesh)
+    ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
+    live = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=sharding.named_sharding(("batch",), (batch,), mesh))
+    rep = _rep(mesh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    ctl = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), jax.eval_shape(decode.controls))
+    return params, ids, ids, live, key, ctl
+
+
+def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: int, new: int) -> list[Executable]:
+    """Prefill + decode of `sampler` at bucket (batch, prompt, new) with abstract `params`."""
+    import jax
+    from nlac_jax import sharding
+    args = sampler_args(cfg, mesh, params, batch, prompt)
+    shape = f"B={batch} prompt={prompt} new={new} cache={prompt + new}"
+    with sharding.use_mesh(mesh):
+        pre, pre_c = compile_one(f"{label} prefill", shape, lambda: sampler.prefill.lower(*args, new_bucket=new))
+        st = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), pre_c.out_info,
+                          pre_c.output_shardings)
+        dec, _ = compile_one(f"{label} decode", shape, lambda: sampler.decode.lower(params, st, args[-1]))
+    return [pre, dec]
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclasses.dataclass
+class Plan:
+    """Everything the planner found (the table is `report()`)."""
+
+    slice: tpu_specs.Slice
+    where: str
+    mesh_shape: dict
+    cfg: object
+    state_bytes: dict
+    executables: list
+    notes: list
+    train_flops: float
+    train_est: object
+    decode_flops_per_token: float
+    decode_est: object
+    decode_batch: int
+
+    @property
+    def hbm(self) -> int:
+        """What a program may use of a chip's HBM (tpu_specs.USABLE_HBM_FRACTION)."""
+        return self.slice.chip.usable_hbm_bytes
+
+    @property
+    def peak(self) -> Executable:
+        return max(self.executables, key=lambda e: e.loop_peak)
+
+    def report(self) -> str:
+        from nlac_jax.footprint import fmt_bytes
+        c = self.cfg
+        sb = self.state_bytes
+        lines = [
+            f"plan: {self.slice.name} ({self.slice.chips} chips, {fmt_bytes(self.slice.chip.hbm_bytes)} HBM of "
+            f"which programs get {fmt_bytes(self.hbm)}, "
+            f"{self.slice.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 and {self.slice.chip.hbm_bandwidth / 1e9:.0f} "
+            f"GB/s per chip; {self.slice.chip.source}), compiled for {self.where}",
+            f"model: {c.model_type} {c.num_params / 1e9:.2f}B params, {c.num_layers} layers, dtype {c.dtype}, "
+            f"params {c.param_dtype}, remat {c.remat}; mesh {self.mesh_shape}",
+            f"train state per chip: θ {fmt_bytes(sb['params'])}, θ̄ {fmt_bytes(sb['target_params'])}, optimiser "
+            f"{fmt_bytes(sb['opt_state'])}, total {fmt_bytes(sb['total'])}"
+            + (f"; external model {fmt_bytes(sb['external'])}" if sb.get("external") else ""),
+            "",
+            "| executable | shape | arguments | outputs | temporaries | aliased | its own peak | loop peak | usable HBM | fits |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in self.executables:
+            lines.append(f"| {e.name} | {e.shape} | {fmt_bytes(e.arguments)} | {fmt_bytes(e.outputs)} | "
+                         f"{fmt_bytes(e.temporaries)} | {fmt_bytes(e.aliased)} | {fmt_bytes(e.own_peak)} | "
+                         f"{fmt_bytes(e.loop_peak)} | {fmt_bytes(self.hbm)} | "
+                         f"{'yes' if e.loop_peak <= self.hbm else 'NO'} |")
+        p = self.peak
+        lines += [
+            "",
+            f"loop peak per chip: {fmt_bytes(p.loop_peak)} of {fmt_bytes(self.hbm)} ({100 * p.loop_peak / self.hbm:.0f}%)"
+            f" during {p.name}",
+            f"train step: {self.train_flops:.3e} FLOPs (analytic); roofline estimate {self.train_est.seconds:.2f} s "
+            f"per step ({self.train_est.bound}-bound, 100% of peak, no communication)",
+            f"decode: {self.decode_flops_per_token:.3e} FLOPs per generated token (analytic, full cache); roofline "
+            f"estimate {self.decode_batch / self.decode_est.seconds:,.0f} tokens/s at B={self.decode_batch} "
+            f"({self.decode_est.bound}-bound, estimate)",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise DoesNotFit (one line) when the loop's peak exceeds a chip's HBM."""
+        from nlac_jax.footprint import fmt_bytes
+        p = self.peak
+        if p.loop_peak > self.hbm:
+            raise DoesNotFit(
+                f"does not fit: {p.name} ({p.shape}) needs {fmt_bytes(p.loop_peak)} per chip at the loop's peak "
+                f"(its own {fmt_bytes(p.own_peak)} + resident {fmt_bytes(p.resident - p.shared_args)}), "
+                f"a program may use {fmt_bytes(self.hbm)} of a {self.slice.name} chip: over by {fmt_bytes(p.loop_peak - self.hbm)}")
+
+
+def state_bytes(state, compiled_step) -> dict:
+    """Per-chip bytes of the train state's parts {params, opt_state, target_params, total}, in the device layouts
+    of the compiled train step (its first argument), so they add up to what the chip holds."""
+    from nlac_jax import footprint
+    fmt = compiled_step.input_formats[0][0]
+    out = {k: footprint.bytes_per_chip(getattr(state, k), getattr(fmt, k)) for k in
+           ("params", "opt_state", "target_params")}
+    out["total"] = footprint.bytes_per_chip(state, fmt)
+    return out
+
+
+def _needs_external_model(env_factory) -> bool:
+    """Whether the environment plays against a model (the loop builds ExternalModel then)."""
+    name = env_factory.env_name
+    return (name == "twenty_questions" and env_factory.oracle == "model") or \
+        (name.startswith("tau_") and env_factory.user == "model")
+
+
+def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
+    """Build and compile everything for `devices` under the parsed gin config (see the module docstring)."""
+    from nlac_jax import envs, footprint, models, sampling, sharding, training
+    from nlac_jax.loop import LoopConfig
+    from nlac_jax.models import building
+    from nlac_jax.nlac import prompts as prompts_lib
+    from nlac_jax.roles import CHAT_ROLES, RoleSampling
+
+    loop, rs = LoopConfig(), RoleSampling()
+    cfg, _, _ = building.build_model()
+    mesh = sharding.make_mesh(devices=devices)
+    optimizer = training.make_optimizer()
+    step = training.make_train_step(cfg, mesh, optimizer)
+    dp, m = sharding.data_parallel_size(mesh), step.config.num_microbatches
+    B, T = loop.batch_size, loop.max_len
+    if B % dp or B % m:
+        raise cli.UsageError(f"LoopConfig.batch_size = {B} must be a multiple of the data-parallel size {dp} (mesh "
+                             f"{dict(mesh.shape)}) and of make_train_step.num_microbatches = {m}")
+    notes = []
+    if (B // m) % dp:
+        notes.append(f"a micro-batch of {B // m} rows does not split over the {dp} data-parallel shards: it is "
+                     f"replicated (raise LoopConfig.batch_size or lower make_train_step.num_microbatches)")
+
+    # the train state: resident for the whole run (bytes as the device stores them: TPU layouts are tiled)
+    state = training.abstract_train_state(cfg, mesh, optimizer)
+    batch = abstract_batch(mesh, B, T)
+    with sharding.use_mesh(mesh):
+        train, train_c = compile_one("train step", f"B={B} T={T} micro-batches={m}",
+                                     lambda: step.jitted.lower(state, batch))
+    sb = state_bytes(state, train_c)
+    exes = [train]
+
+    # the frozen user / oracle model: resident for the whole run (its weights as ExternalModel loads them)
+    ext_bytes, ext_cfg = 0, None
+    if _needs_external_model(envs.make_env_factory()):
+        ext_dtype = _bound("ExternalModel.dtype", "bfloat16")
+        ext_cfg = cfg.replace(dtype=ext_dtype, param_dtype=ext_dtype)
+        ext_params = footprint.with_shardings(models.abstract_params(ext_cfg), models.param_shardings(ext_cfg, mesh))
+        ext_bytes = footprint.bytes_per_chip(ext_params)
+        notes.append("the external model (user simulator / oracle) is assumed to be the run's model architecture "
+                     "(ExternalModel.model_dir = MODEL_DIR in the shipped runs), sharded on the run's mesh")
+    sb["external"] = ext_bytes
+    train.resident = ext_bytes
+
+    # the samplers: every distinct bucket the roles use at the largest sampler batch, with θ (θ̄ has the same shapes)
+    sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=loop.sampler_min_batch)
+    budgets = prompts_lib.prompt_budgets(T, rs.max_new_tokens)
+    buckets: dict = {}
+    for role in CHAT_ROLES:
+        buckets.setdefault(sampler.buckets(loop.sampler_max_batch, max(1, budgets[role]), rs.budget(role)),
+                           []).append(role)
+    params = state.params
+    p_bytes = sb["params"]
+    for (bb, tb, nb), roles in sorted(buckets.items()):
+        for e in compile_sampler(f"sampler {'/'.join(roles)}", sampler, cfg, mesh, params, bb, tb, nb):
+            e.resident, e.shared_args = sb["total"] + ext_bytes, p_bytes
+            exes.append(e)
+    eb = sampler.buckets(min(loop.eval_episodes, loop.sampler_max_batch) or 1, 1, 1)[0]
+    notes.append(f"evaluation and shrinking rollouts call the same executables at batch buckets <= "
+                 f"{max(b[0] for b in buckets)} (held-out evaluation: {eb} rows); their memory is bounded by these")
+    if ext_cfg is not None:
+        ext_sampler = sampling.Sampler(ext_cfg, mesh=mesh)
+        ext_new = _bound("ExternalModel.max_new_tokens", 128)
+        ext_batch = _bound("ExternalModel.max_batch", 64)
+        eb, et, en = ext_sampler.buckets(ext_batch, T, ext_new)
+        notes.append(f"external model prompts assumed <= LoopConfig.max_len = {T} tokens (bucket {et})")
+        for e in compile_sampler("external model", ext_sampler, ext_cfg, mesh, ext_params, eb, et, en):
+            e.resident, e.shared_args = sb["total"] + ext_bytes, ext_bytes
+            exes.append(e)
+
+    # FLOPs and the roofline estimates
+    chips = len(devices)
+    chip = slc.chip
+    tflops = footprint.train_step_flops(cfg, B, T, step.config.loss_chunk)
+    t_est = footprint.roofline(tflops, footprint.train_step_hbm_bytes(cfg, mesh, m, sb["total"]), chips,
+                               chip.peak_bf16_flops, chip.hbm_bandwidth)
+    (db, dt, dn) = max(buckets)
+    cache = dt + dn
+    dflops = footprint.decode_flops_per_token(cfg, cache)
+    d_est = footprint.roofline(db * dflops, footprint.decode_step_hbm_bytes(cfg, mesh, db, cache, cfg.param_dtype),
+                               chips, chip.peak_bf16_flops, chip.hbm_bandwidth)
+    if chips != slc.chips:
+        notes.append(f"compiled for {chips} devices, the slice has {slc.chips} chips")
+    return Plan(slc, where, dict(mesh.shape), cfg, sb, exes, notes, tflops, t_est, dflops, d_est, db)
+
+
+def _bound(name: str, default):
+    import gin
+    try:
+        v = gin.query_parameter(name)
+    except ValueError:
+        return default
+    return default if v is None else v
+
+
+def main(argv=None) -> int:
+    """The planner CLI (module docstring); errors propagate (run it through `cli.run` for one-line errors)."""
+    flags = build_parser().parse_args(argv)
+    try:
+        slc = tpu_specs.parse_slice(flags.topology)
+    except tpu_specs.TopologyError as e:
+        raise cli.UsageError(str(e)) from None
+    _setup_platform(flags.cpu_devices)
+    import logging
+    from nlac_jax import train
+    train.setup_logging()  # its filter drops gin's per-file lookup records
+    logging.getLogger().setLevel(logging.WARNING)  # the table is the output; INFO lines would bury it
+    params = list(flags.gin_param)
+    if not any(re.match(r"\s*MODEL_DIR\s*=", b) for b in params):
+        params.insert(0, "MODEL_DIR = None")  # planning reads build_model.hf_config, never the weights
+    train.load_gin(flags.gin_file, params, check_mesh=False)
+    if flags.cpu_devices is not None:
+        devices, where = cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"
+    else:
+        import jax
+        # compile-only TPU executables cannot be read back from the persistent cache (no TPU client to load them)
+        jax.config.update("jax_enable_compilation_cache", False)
+        devices, where = topology_devices(slc), f"TPU topology {slc.topology_name}"
+    plan = make_plan(slc, devices, where)
+    print(plan.report(), flush=True)
+    plan.check()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main, prog=PROG))

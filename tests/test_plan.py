@@ -1,0 +1,146 @@
+"""The planner (`python -m nlac_jax.plan`): TPU ahead-of-time compiles on this CPU, its byte accounting against the
+compiled executables, the model gin files' config.json numbers, and its one-line errors."""
+
+import importlib.util
+import os
+
+import gin
+import jax
+import pytest
+
+from nlac_jax import cli, footprint, models, plan, sampling, sharding, tpu_specs, training
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+NO_LIBTPU = "libtpu is not installed (pip install -r requirements-tpu.txt): no TPU ahead-of-time compiles here"
+
+
+def _small_cfg(**kw) -> models.ModelConfig:
+    """A scaled-down Qwen2 (the 7B's block, untied head, bf16 compute over float32 master weights)."""
+    base = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=64, tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32", remat="dots")
+    return models.ModelConfig(**{**base, **kw})
+
+
+# every role at one token budget: one sampler bucket to compile (the tests stay in tens of seconds)
+SMALL = ["--gin_param=LoopConfig.max_len = 256", "--gin_param=nlac.RoleSampling.max_new_tokens = {'policy': 32}"]
+
+
+def _run_cli(argv, capsys):
+    try:
+        code = cli.run(plan.main, argv, prog=plan.PROG)
+    finally:
+        gin.clear_config()
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """Compile-only TPU executables cannot be loaded from the persistent cache (there is no TPU client)."""
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", old)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
+def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypatch):
+    """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports
+    per chip are exactly the planner's train-state (θ, θ̄, optimiser) + batch bytes, and θ + decode state bytes."""
+    for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+        monkeypatch.delenv(var, raising=False)  # the loader hints topology_devices sets: undone after the test
+        # (later tests start training subprocesses, which read TPU_WORKER_HOSTNAMES as a pod's worker list)
+    slc = tpu_specs.parse_slice("v5p-8")
+    devices = plan.topology_devices(slc)
+    assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
+    mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=devices)
+    cfg = _small_cfg()
+    opt = training.make_optimizer()
+    step = training.make_train_step(cfg, mesh, opt, num_microbatches=2, loss_chunk=32)
+    state = training.abstract_train_state(cfg, mesh, opt)
+    batch = plan.abstract_batch(mesh, 8, 64)
+    with sharding.use_mesh(mesh):
+        train, compiled = plan.compile_one("train step", "", lambda: step.jitted.lower(state, batch))
+    sb = plan.state_bytes(state, compiled)  # what the planner reports per chip (TPU layouts are tiled)
+    theta = sb["params"]
+    assert sb["target_params"] == theta  # θ̄ is sharded like θ
+    assert 2 * theta <= sb["opt_state"] <= 2 * theta + 4096  # two Adam moments like θ (+ the step count)
+    dense = footprint.bytes_per_chip(state.params)
+    assert dense <= theta < 1.05 * dense  # tiles pad the small norm scales and biases only
+    assert theta < 4 * cfg.num_params // 2  # really sharded (4 ways where the dims divide)
+    batch_bytes = footprint.bytes_per_chip(batch, compiled.input_formats[0][1])
+    # the executable's arguments are exactly the train state (θ, θ̄, optimiser, counters) and the batch
+    assert train.arguments == sb["total"] + batch_bytes
+    assert train.aliased >= sb["total"] - 4096  # the donated state is updated in place
+
+    sampler = sampling.Sampler(cfg, mesh=mesh)
+    assert sampler.layer_loop == "scan"  # TPU devices: the scanned layer loop
+    params = state.params
+    prefill, dec = plan.compile_sampler("sampler", sampler, cfg, mesh, params, 8, 32, 16)
+    # decode's arguments: θ (as the train state holds it), the decode state prefill returns, the small controls
+    ctl = dec.arguments - theta - prefill.outputs
+    assert 0 < ctl <= 8 * 4096, ctl
+    assert dec.aliased > 0  # the decode state (KV cache) is donated
+
+
+def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"]
+                              + SMALL, capsys)
+    assert code == 0, err
+    assert "| train step |" in out and "prefill" in out and "decode" in out
+    assert "loop peak per chip" in out and "FLOPs" in out and "estimate" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "executable" not in line]
+    assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
+
+
+def test_plan_does_not_fit_is_one_line(capsys):
+    # 4,096 prompts of ~4k tokens per sampler call: the prefill's attention scores alone are far beyond 16 GB
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5e-8", "--cpu-devices=8",
+                               "--gin_param=LoopConfig.sampler_max_batch = 4096",
+                               "--gin_param=LoopConfig.max_len = 4096", SMALL[1]], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "does not fit" in err and "over by" in err and "prefill" in err, err
+    assert "| NO |" in out
+
+
+@pytest.mark.parametrize("topology, what", [("v9-8", "unknown TPU generation"), ("v5p-63", "multiple of 2"),
+                                            ("tpu", "slice name"), ("v5e-3", "no v5e slice of 3 chips")])
+def test_plan_bad_topology_is_one_line(topology, what, capsys):
+    code, _, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", f"--topology={topology}"], capsys)
+    assert code == 2 and err.count("\n") == 1 and what in err and topology in err, err
+
+
+def test_slice_table():
+    s = tpu_specs.parse_slice("v4-32")
+    assert (s.chips, s.topology_name, s.chip.hbm_bytes) == (16, "v4:2x2x4", 32 << 30)
+    s = tpu_specs.parse_slice("v5p-64")
+    assert (s.chips, s.topology_name) == (32, "v5p:2x4x4")
+    assert (tpu_specs.parse_slice("v5e-256").topology_name, tpu_specs.parse_slice("v6e-64").chips) == ("v5e:16x16", 64)
+    assert tpu_specs.parse_slice("v5litepod-16").chips == 16
+
+
+# the published parameter counts of the shipped models (their model cards: 0.49B, 1.54B, 3.09B, 7.62B, 32.5B)
+@pytest.mark.parametrize("name, billions", [("qwen2_5_0_5b", 0.494), ("qwen2_5_1_5b", 1.544), ("qwen2_5_3b", 3.086),
+                                            ("qwen2_5_7b", 7.616), ("qwq_32b", 32.764)])
+def test_model_gin_files_carry_their_config(name, billions):
+    from nlac_jax.models import building
+    try:
+        gin.parse_config_files_and_bindings([os.path.join(REPO, "gin", "models", f"{name}.gin")], ["MODEL_DIR = None"])
+        cfg, tok, model_dir = building.build_model()
+    finally:
+        gin.clear_config()
+    assert tok is None and model_dir is None
+    assert abs(cfg.num_params / 1e9 - billions) < 0.001, cfg.num_params
+
+
+def test_hf_config_mismatch_with_model_dir_is_refused(tmp_path):
+    from nlac_jax import tiny
+    from nlac_jax.models import building
+    m = models.random_model(models.ModelConfig(vocab_size=576, hidden_size=32, intermediate_size=64, num_layers=1,
+                                               num_heads=2, num_kv_heads=1, head_dim=16))
+    m.tokenizer = tiny.make_tiny_tokenizer()
+    m.save_pretrained(str(tmp_path))
+    building.build_model(str(tmp_path), hf_config={"hidden_size": 32, "num_hidden_layers": 1})  # agrees: fine
+    with pytest.raises(models.ConfigError, match="hidden_size = 32, but build_model.hf_config"):
+        building.build_model(str(tmp_path), hf_config={"hidden_size": 3584})

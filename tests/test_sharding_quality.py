@@ -1,0 +1,38 @@
+"""Sharding quality: no compiled train step or sampler on a multi-axis mesh makes XLA replicate a whole operand
+("Involuntary full rematerialization", logged by the SPMD partitioner on stderr while compiling)."""
+
+import jax
+import pytest
+
+from nlac_jax import models, plan, sampling, sharding, training
+
+MARKER = "Involuntary full rematerialization"
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Compile for real: a persistent-cache hit would skip the partitioner and its warnings."""
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", old)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_no_involuntary_full_rematerialization(tied, capfd, fresh_compiles):
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    cfg = models.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=16, tie_word_embeddings=tied, dtype="bfloat16", remat="dots")
+    opt = training.make_optimizer()
+    step = training.make_train_step(cfg, mesh, opt, num_microbatches=2, loss_chunk=16)
+    state = training.abstract_train_state(cfg, mesh, opt)
+    capfd.readouterr()
+    with sharding.use_mesh(mesh):
+        step.jitted.lower(state, plan.abstract_batch(mesh, 8, 32)).compile()
+    params = state.params
+    for loop in ("unrolled", "scan"):  # the CPU's layer loop and the TPU's
+        sampler = sampling.Sampler(cfg, mesh=mesh, layer_loop=loop)
+        plan.compile_sampler(f"sampler ({loop})", sampler, cfg, mesh, params, 8, 16, 16)
+    err = capfd.readouterr().err
+    hits = [line for line in err.splitlines() if MARKER in line]
+    assert not hits, f"{len(hits)} warnings, first: {hits[0][:500]}"
