@@ -48,9 +48,12 @@ def no_persistent_cache():
 def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypatch):
     """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports
     per chip are exactly the planner's train-state (θ, θ̄, optimiser) + batch bytes, and θ + decode state bytes."""
+    # topology_devices sets loader hints in os.environ; later tests start training subprocesses, which read
+    # TPU_WORKER_HOSTNAMES as a pod's worker list. setenv records the old state (absent included), so the hints are
+    # undone after this test.
     for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
-        monkeypatch.delenv(var, raising=False)  # the loader hints topology_devices sets: undone after the test
-        # (later tests start training subprocesses, which read TPU_WORKER_HOSTNAMES as a pod's worker list)
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        monkeypatch.delenv(var)
     slc = tpu_specs.parse_slice("v5p-8")
     devices = plan.topology_devices(slc)
     assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
