@@ -317,14 +317,10 @@ class Sampler:
 
     @staticmethod
     def _left_pad(prompts, rows: int, width: int):
-        """ids, mask [rows, width] int32, left-padded; rows beyond the prompts get one dummy token."""
-        ids = np.zeros((rows, width), np.int32)
-        mask = np.zeros((rows, width), np.int32)
-        for b, p in enumerate(prompts):
-            ids[b, width - len(p):] = p
-            mask[b, width - len(p):] = 1
-        mask[len(prompts):, -1] = 1
-        return ids, mask
+        """ids, mask [rows, width] int32 (text.left_pad); rows beyond the prompts hold one dummy token, so no row of
+        the compiled batch attends to nothing."""
+        from nlac_jax import text
+        return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
     def _one_batch(self, params, prompts, max_new_tokens, key, ctl):
         """Every prompt in one bucketed batch: prefill, then decode until all rows are done."""
