@@ -116,6 +116,26 @@ def test_factories_and_errors():
     assert src.train_split == 'train' and src.tasks('test')
 
 
+def test_training_on_the_evaluation_split_is_refused(tmp_path, clean_gin):
+    """Same split name, or two JSONL split names over one file: refused in one line naming both, unless the run
+    says so on purpose; a real train file next to the test file is accepted and read."""
+    rows = [{"problem": f"Compute {i}+1.", "answer": str(i + 1), "level": "Level 5"} for i in range(3)]
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as e:
+        envs.make_task_source('toy', train_split='test', eval_split='test')
+    assert "train_split='test' and eval_split='test'" in str(e.value).splitlines()[0]  # gin appends its call site
+    assert envs.make_task_source('toy', train_split='test', eval_split='test', train_on_eval_split=True)
+    gin.bind_parameter('nlac_jax.envs.MathJsonlTaskSource.paths', {'train': str(test), 'test': str(test)})
+    with pytest.raises(ValueError, match=f"both read {test}"):
+        envs.make_task_source('math', source='jsonl')
+    train = tmp_path / "train.jsonl"
+    train.write_text(test.read_text())
+    gin.bind_parameter('nlac_jax.envs.MathJsonlTaskSource.paths', {'train': str(train), 'test': str(test)})
+    src = envs.make_task_source('math', source='jsonl')
+    assert len(src.tasks('train')) == 3 and src.eval_split == 'test'
+
+
 @pytest.fixture
 def clean_gin():
     """Gin config is global: start and end every gin test from a clean slate, even when it fails."""

@@ -192,7 +192,8 @@ def test_every_run_gin_file_parses(tmp_path):
             m.tokenizer = __import__("nlac_jax.tiny", fromlist=["x"]).make_tiny_tokenizer()
             m.save_pretrained(str(model_dir))
         # the tiny stand-in is not the model the file's build_model.hf_config describes: drop that check here
-        stand_in = [f"MODEL_DIR = '{model_dir}'", "build_model.hf_config = None"]
+        stand_in = [f"MODEL_DIR = '{model_dir}'", "build_model.hf_config = None",
+                    f"MATH_TRAIN_JSONL = '{tmp_path / 'train.jsonl'}'", f"MATH_TEST_JSONL = '{tmp_path / 'test.jsonl'}'"]
         try:
             train.load_gin([f"gin/runs/{f}"], stand_in if f.startswith(("qwen", "qwq")) else [])
         finally:

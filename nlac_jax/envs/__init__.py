@@ -13,6 +13,7 @@ Env names (``registry.ENV_NAMES``, the one list): 'toy' (guess the number), 'twe
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import gin
@@ -102,7 +103,7 @@ def make_env_factory(env_name: str = gin.REQUIRED, oracle: str = 'scripted', use
 
 @gin.configurable(module='nlac_jax.envs')
 def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None, train_split: str = 'train',
-                     eval_split: str = 'test') -> TaskSource:
+                     eval_split: str = 'test', train_on_eval_split: bool = False) -> TaskSource:
     """Gin entry point for tasks; the returned source carries ``train_split`` / ``eval_split`` attributes.
 
     Args:
@@ -110,6 +111,8 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
       source: only for 'math': 'generator' (default, ``MathGeneratorTaskSource``) or 'jsonl'
         (``MathJsonlTaskSource``, configure its ``paths`` / ``hard_only`` in gin).
       train_split, eval_split: split names the trainer / evaluator should use.
+      train_on_eval_split: allow training on the tasks the run evaluates on (the same split name, or two JSONL
+        splits read from one file). Refused otherwise: held-out numbers from such a run would not be held out.
     """
     check_env_name(env_name)
     if env_name == 'toy':
@@ -130,5 +133,14 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
     for s in (train_split, eval_split):
         if s not in src.splits:
             raise ValueError(f"make_task_source({env_name!r}): split {s!r} not in {list(src.splits)}")
+    same = train_split == eval_split
+    paths = getattr(src, 'paths', None) or {}
+    if not same and train_split in paths and eval_split in paths:
+        same = os.path.realpath(paths[train_split]) == os.path.realpath(paths[eval_split])
+    if same and not train_on_eval_split:
+        where = f" (both read {paths[train_split]})" if train_split in paths else ""
+        raise ValueError(f"make_task_source({env_name!r}): train_split={train_split!r} and eval_split="
+                         f"{eval_split!r} are the same tasks{where}: the run would train on what it evaluates "
+                         f"(give a train split, or set make_task_source.train_on_eval_split = True on purpose)")
     src.train_split, src.eval_split = train_split, eval_split
     return src
