@@ -189,6 +189,16 @@ def run(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | No
         return EXIT_USAGE if usage else EXIT_ERROR
 
 
+def add_gin_file_flags(p: argparse.ArgumentParser, file_example: str, param_example: str | None = None) -> None:
+    """--gin_file (repeatable, required) and --gin_param (repeatable): the gin flags of every gin-configured CLI.
+    The examples only shape the help text."""
+    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
+                   help=f"gin file, e.g. {file_example} (repeatable; later files override earlier ones)")
+    example = f", e.g. {param_example!r}" if param_example else ""
+    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
+                   help=f"one gin binding{example} (repeatable; applied after the files)")
+
+
 def require_file(path: str, flag: str) -> str:
     """`path` if it is an existing file, else a UsageError naming the flag and the path."""
     import os

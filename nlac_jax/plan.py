@@ -41,10 +41,7 @@ PROG = "python -m nlac_jax.plan"
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
-    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
-                   help="gin file, e.g. gin/runs/qwen2_5_7b_tau_retail.gin (repeatable; later files override)")
-    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
-                   help="one gin binding (repeatable; applied after the files)")
+    cli.add_gin_file_flags(p, "gin/runs/qwen2_5_7b_tau_retail.gin")
     p.add_argument("--topology", required=True, metavar="SLICE",
                    help="Cloud TPU slice as Cloud TPU names it: v4-32, v5p-64, v5e-256, v6e-64, ...")
     p.add_argument("--cpu-devices", "--cpu_devices", dest="cpu_devices", type=cli.int_at_least(1), default=None,

@@ -30,10 +30,7 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nla
 
 def add_gin_flags(p, workdir_help: str) -> None:
     """The flags every gin-configured CLI shares: --gin_file, --gin_param, --workdir, --compilation_cache."""
-    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
-                   help="gin file, e.g. gin/runs/demo_cpu.gin (repeatable; later files override earlier ones)")
-    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
-                   help="one gin binding, e.g. 'LoopConfig.iterations = 3' (repeatable; applied after the files)")
+    cli.add_gin_file_flags(p, "gin/runs/demo_cpu.gin", "LoopConfig.iterations = 3")
     p.add_argument("--workdir", default=None, metavar="DIR", help=workdir_help)
     p.add_argument("--compilation_cache", default=DEFAULT_COMPILATION_CACHE, metavar="DIR",
                    help="persistent XLA compilation cache directory ('' = off; $JAX_COMPILATION_CACHE_DIR wins)")

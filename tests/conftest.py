@@ -16,3 +16,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity tests compare to PyTorch
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """Compile for real in this test: a persistent-cache hit skips the partitioner (and its warnings), and
+    compile-only TPU executables cannot be loaded from the cache at all (there is no TPU client)."""
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", old)

@@ -35,15 +35,6 @@ def _run_cli(argv, capsys):
     return code, out.out, out.err
 
 
-@pytest.fixture
-def no_persistent_cache():
-    """Compile-only TPU executables cannot be loaded from the persistent cache (there is no TPU client)."""
-    old = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", old)
-
-
 @pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
 def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypatch):
     """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports

@@ -1,7 +1,6 @@
 """Sharding quality: no compiled train step or sampler on a multi-axis mesh makes XLA replicate a whole operand
 ("Involuntary full rematerialization", logged by the SPMD partitioner on stderr while compiling)."""
 
-import jax
 import pytest
 
 from nlac_jax import models, plan, sampling, sharding, training
@@ -9,17 +8,8 @@ from nlac_jax import models, plan, sampling, sharding, training
 MARKER = "Involuntary full rematerialization"
 
 
-@pytest.fixture
-def fresh_compiles():
-    """Compile for real: a persistent-cache hit would skip the partitioner and its warnings."""
-    old = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", old)
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_no_involuntary_full_rematerialization(tied, capfd, fresh_compiles):
+def test_no_involuntary_full_rematerialization(tied, capfd, no_persistent_cache):
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     cfg = models.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=16, tie_word_embeddings=tied, dtype="bfloat16", remat="dots")

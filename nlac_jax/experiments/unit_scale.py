@@ -265,10 +265,7 @@ def build_parser():
     """The experiment CLI's parser."""
     from nlac_jax import cli, train
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
-    p.add_argument("--gin_file", action="append", default=[], required=True, metavar="FILE",
-                   help="gin file, e.g. gin/experiments/unit_toy.gin (repeatable; later files override)")
-    p.add_argument("--gin_param", action="append", default=[], metavar="BINDING",
-                   help="one gin binding, e.g. 'experiments.UnitScaleConfig.seeds = (0,)' (repeatable)")
+    cli.add_gin_file_flags(p, "gin/experiments/unit_toy.gin", "experiments.UnitScaleConfig.seeds = (0,)")
     p.add_argument("--workdir", required=True, metavar="DIR",
                    help="experiment directory (warm start, arms, results.md); a rerun skips finished (arm, seed) "
                         "pairs")
