@@ -95,6 +95,29 @@ def test_continuous_batching_equals_one_batch(qwen):
     assert dict(sampling.TRACE_COUNTS) == before
 
 
+def test_drain_compaction_equals_no_compaction(qwen):
+    """Once no prompt waits, the rows still running move into a smaller batch: the results (greedy and sampled)
+    equal the uncompacted run's, fewer row-rounds run, and the row-round count is exact."""
+    _, m, _ = qwen
+    rng = np.random.RandomState(8)
+    ps = [rng.randint(0, VOCAB - 3, n).tolist() for n in rng.randint(1, 30, 13)]
+    stop = tuple(range(40, 90))
+    on, off = sampling.Sampler(m.config, compact_min_rows=2), sampling.Sampler(m.config, compact_min_rows=0)
+    for kw in (dict(), dict(slots=8, refill_rows=2), dict(temperature=1.0, seed=4, slots=8, refill_rows=2)):
+        a = on.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop, **kw)
+        b = off.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop, **kw)
+        assert len(set(b.lengths.tolist())) > 3, "rows must stop at different lengths for the drain to matter"
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.stop_reason == b.stop_reason and a.num_steps == b.num_steps
+        assert int(a.lengths.sum()) <= a.token_slots < b.token_slots, kw
+    # without compaction the one batch runs 16 rows (13 -> bucket 16) for every round
+    assert b.token_slots > 0 and off.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop).token_slots \
+        == 16 * off.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop).num_steps
+    assert on.cache_sizes()["compact"] >= 2 and off.cache_sizes()["compact"] == 0
+
+
 def test_prefill_plus_decode_logits_equal_full_forward(qwen):
     _, m, _ = qwen
     cfg, params = m.config, m.params

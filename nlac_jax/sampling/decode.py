@@ -134,7 +134,8 @@ def decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
 # A fixed number of slots (rows); the host refills the slots of finished rows with waiting prompts between decode
 # calls, so no row idles until the longest one ends. Every row has its own cache index (models.decoder.write_slots).
 # Two executables serve a whole call whatever the number of prompts: `refill` (prefill R prompts straight into R
-# free slots) and `decode`.
+# free slots) and `decode`. Once no prompt waits, `compact` moves the rows still running into a batch half as large
+# (or smaller), so the drain at the end of a call does not decode idle rows.
 
 
 def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket: int) -> DecodeState:
@@ -177,3 +178,23 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     full_logits = put(jnp.zeros((B, logits.shape[-1]), logits.dtype), logits)
     rec = _record(st2.replace(done=st2.done | ~replaced), full_logits, ctl)  # only the new rows pick a token
     return rec.replace(done=jnp.where(replaced, rec.done, st2.done))
+
+
+def compact_impl(st: DecodeState, keep: Array) -> DecodeState:
+    """The rows `keep` [B2] (int32 slot indices, B2 < B) of the decode state, in that order, cache rows included.
+    Used once no prompt waits and at most B2 rows still run: the drain then decodes B2 rows instead of B."""
+    TRACE_COUNTS["compact"] += 1
+
+    def rows(a, axis=0):
+        return jnp.take(a, keep, axis=axis)
+
+    layered = isinstance(st.cache["k"], (tuple, list))  # per-layer [B, S, K, D] buffers, or stacked [L, B, S, K, D]
+    cache = {k: tuple(rows(a) for a in st.cache[k]) if layered else rows(st.cache[k], axis=1) for k in ("k", "v")}
+    index = st.cache["index"]  # a scalar when every row started together (one-batch path), else one per row
+    cache.update(mask=rows(st.cache["mask"]), index=index if jnp.ndim(index) == 0 else rows(index))
+    return st.replace(
+        tokens=sharding.constrain(rows(st.tokens), ("batch", "length")),
+        logprobs=sharding.constrain(rows(st.logprobs), ("batch", "length")),
+        last=rows(st.last), prompt_len=rows(st.prompt_len), done=rows(st.done), reason=rows(st.reason),
+        lengths=rows(st.lengths), ss_state=rows(st.ss_state), row_id=rows(st.row_id),
+        cache=decoder.constrain_cache(cache))

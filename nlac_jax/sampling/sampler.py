@@ -20,8 +20,8 @@ import numpy as np
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
-from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, controls, decode_impl, empty_state, prefill_impl,
-                                      refill_impl)
+from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
+                                      prefill_impl, refill_impl)
 from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class Sampler:
     """
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
-                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1):
+                 min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
+                 compact_min_rows: int = 0):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
@@ -112,6 +113,11 @@ class Sampler:
         self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
         self.min_batch_bucket = max(1, int(min_batch_bucket))
+        # compact_min_rows: once no prompt waits, the rows still running move into a batch half as large (or
+        # smaller), down to this many rows (0: never), so a call's drain does not decode finished rows. Each batch
+        # of the halving chain is one more executable per bucket (compiled once).
+        self.compact_min_rows = max(0, int(compact_min_rows))
+        self._drain_compiled: set = set()
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
@@ -124,6 +130,7 @@ class Sampler:
             static_argnames=("batch", "cache_len", "new_bucket"))
         self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl: refill_impl(
             run_cfg, params, st, ids, mask, slots, rows, ctl), donate_argnums=(1,))
+        self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
@@ -219,7 +226,7 @@ class Sampler:
         """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the package docstring.
 
         slots: with more prompts than `slots`, continuous batching: `slots` rows (bucketed) decode at once and the
-          rows that finish are refilled with waiting prompts, `refill_rows` at a time (default slots // 4), so no
+          rows that finish are refilled with waiting prompts, `refill_rows` at a time (default slots // 8), so no
           row idles until the longest one ends. Greedy results equal the one-batch path's; sampled ones are
           reproducible for a seed (each prompt's randomness follows its index, not its slot)."""
         cfg = self.cfg
@@ -323,37 +330,54 @@ class Sampler:
         return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
     def _one_batch(self, params, prompts, max_new_tokens, key, ctl):
-        """Every prompt in one bucketed batch: prefill, then decode until all rows are done."""
-        B = len(prompts)
-        Bb, Tb, Nb = self.buckets(B, max(len(p) for p in prompts), max_new_tokens)
+        """Every prompt in one bucketed batch: prefill, then decode until all rows are done (compacting the batch as
+        rows finish)."""
+        P = len(prompts)
+        Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
         ids, mask = self._left_pad(prompts, Bb, Tb)
-        ids, mask, live = self._device_rows(ids, mask, np.arange(Bb) < B)
+        ids, mask, live = self._device_rows(ids, mask, np.arange(Bb) < P)
         key, ctl = self._replicated((key, ctl))
         st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
-        st = self.decode(params, st, ctl)
-        tokens, logprobs, lengths, reason, steps = (_fetch(x) for x in
-                                                    (st.tokens, st.logprobs, st.lengths, st.reason, st.step))
-        return tokens[:B], logprobs[:B], lengths[:B], reason[:B], int(steps), Bb * int(steps)
+        holds = [b if b < P else -1 for b in range(Bb)]
+        return self._slot_loop(params, st, ctl, prompts, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb)
 
     def _continuous(self, params, prompts, max_new_tokens, key, ctl, slots, refill_rows):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
-        calls (host syncs only there). Returns per-prompt arrays in prompt order, rounds and token slots."""
-        P = len(prompts)
+        calls (host syncs only there)."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
-        R = min(B, self.buckets(max(1, B // 8) if refill_rows is None else int(refill_rows), 1, 1)[0])
+        # refill_rows is its own bucket (not min_batch_bucket, which would make every refill wait for 16 free slots)
+        dp = self.data_parallel
+        R = min(B, -(-bucket_length(max(1, B // 8) if refill_rows is None else int(refill_rows), 1) // dp) * dp)
         key, ctl = self._replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=Tb + Nb, new_bucket=Nb)
-        holds = [-1] * B  # host view: the prompt each slot holds (-1 = free)
+        return self._slot_loop(params, st, ctl, prompts, [-1] * B, Nb, nxt=0, refill_rows=R, slots_used=0,
+                               prompt_bucket=Tb)
+
+    def _smaller_batch(self, batch: int, active: int) -> int | None:
+        """The smallest batch of the halving chain batch/2, batch/4, ... that holds `active` rows, or None (compaction
+        off, or no smaller batch: at least `compact_min_rows` and a multiple of the data-parallel degree)."""
+        best, b = None, batch // 2
+        while self.compact_min_rows and b >= max(self.compact_min_rows, active, 1) and b % self.data_parallel == 0:
+            best, b = b, b // 2
+        return best
+
+    def _slot_loop(self, params, st, ctl, prompts, holds, Nb, *, nxt, refill_rows, slots_used, prompt_bucket=0):
+        """Decode a state whose slots hold prompts `holds` (index, or -1 = free) until every prompt is done: refill
+        free slots with prompts nxt.. (`refill_rows` at a time, fixed shape), and once none waits, compact the batch
+        to the rows still running. Returns per-prompt arrays in prompt order, decode rounds and token slots."""
+        P, B, R = len(prompts), len(holds), refill_rows
+        self._compile_drain(params, st, ctl)
         out_tok = np.zeros((P, Nb), np.int32)
         out_lp = np.zeros((P, Nb), np.float32)
         out_len = np.zeros((P,), np.int32)
         out_reason = np.zeros((P,), np.int32)
-        nxt, collected, refills = 0, 0, 0
+        collected = 0
+        steps = int(_fetch(st.step))
         while True:
             free = [b for b in range(B) if holds[b] < 0]
             if nxt < P and len(free) >= min(R, P - nxt):  # refill: R prompts (fixed shape) into free slots
                 take = prompts[nxt:nxt + min(R, len(free))]
-                ids, mask = self._left_pad(take, R, Tb)
+                ids, mask = self._left_pad(take, R, prompt_bucket)
                 idx = np.full((R,), B, np.int32)  # slot B = unused entry (dropped on device)
                 rows = np.full((R,), -1, np.int32)
                 for j in range(len(take)):
@@ -362,12 +386,16 @@ class Sampler:
                 ids, mask = self._device_rows(ids, mask)
                 idx, rows = self._replicated((idx, rows))
                 st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(rows), ctl)
-                nxt, refills = nxt + len(take), refills + 1
+                nxt, slots_used = nxt + len(take), slots_used + R  # a refill picks R first tokens
                 continue  # fill every free slot before decoding
-            n_free = sum(h < 0 for h in holds)
-            ret = n_free + min(R, P - nxt) if nxt < P else B + 1  # return when a refill's worth has finished
+            if nxt < P:  # return when a refill's worth has finished
+                ret = len(free) + min(R, P - nxt)
+            else:  # drain: return when the running rows fit a smaller batch
+                half = self._smaller_batch(B, B // 2)
+                ret = B - half if half else B + 1
             st = self.decode(params, st, dict(ctl, return_when_done=self._replicated(jnp.int32(ret))))
-            done, row_id = _fetch(st.done), _fetch(st.row_id)
+            done, row_id, now = _fetch(st.done), _fetch(st.row_id), int(_fetch(st.step))
+            slots_used, steps = slots_used + B * (now - steps), now
             fin = [b for b in range(B) if done[b] and holds[b] >= 0]
             if fin:
                 tok, lp, ln, rs = (_fetch(x) for x in (st.tokens, st.logprobs, st.lengths, st.reason))
@@ -378,15 +406,34 @@ class Sampler:
                     holds[b] = -1
                     collected += 1
             if collected == P:
-                steps = int(_fetch(st.step))
-                return out_tok, out_lp, out_len, out_reason, steps, B * steps + R * refills
+                return out_tok, out_lp, out_len, out_reason, steps, slots_used
+            # drain: halve the batch while the running rows fit (one level at a time: one compact executable per
+            # level, all compiled by _compile_drain when the bucket was first seen)
+            while nxt == P and (half := self._smaller_batch(B, B // 2)) and sum(h >= 0 for h in holds) <= half:
+                keep = ([b for b in range(B) if holds[b] >= 0] + [b for b in range(B) if holds[b] < 0])[:half]
+                st = self.compact(st, self._replicated(jnp.asarray(np.asarray(keep, np.int32))))
+                holds, B = [holds[b] for b in keep], half
+
+    def _compile_drain(self, params, st, ctl) -> None:
+        """Compile the compact and decode executables of every batch of this state's drain chain, the first time its
+        bucket is seen: which levels a call reaches depends on its data, and a later call must not compile."""
+        sig = (st.done.shape[0], st.tokens.shape[1], st.cache["mask"].shape[1], np.ndim(st.cache["index"]))
+        if not self.compact_min_rows or sig in self._drain_compiled:
+            return
+        self._drain_compiled.add(sig)
+        ctl0 = dict(ctl, return_when_done=self._replicated(jnp.int32(0)))  # the decode loop returns at once
+        B = sig[0]
+        while half := self._smaller_batch(B, B // 2):
+            st = self.decode(params, self.compact(st, self._replicated(jnp.arange(half, dtype=jnp.int32))), ctl0)
+            B = half
 
     __call__ = generate
 
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
         return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size(),
-                "empty": self.empty._cache_size(), "refill": self.refill._cache_size()}
+                "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
+                "compact": self.compact._cache_size()}
 
 
 def _fetch(x) -> np.ndarray:
