@@ -67,9 +67,9 @@ class FakeSampler:
         self.rows = list(rows)  # (text, stop_reason) in call order
         self.calls = []
 
-    def generate(self, weights, prompts, **kw):
-        self.calls.append((weights, len(prompts), kw))
-        rows, self.rows = self.rows[: len(prompts)], self.rows[len(prompts):]
+    def generate(self, weights, prompts, n=1, **kw):
+        self.calls.append((weights, len(prompts) * n, kw))
+        rows, self.rows = self.rows[: len(prompts) * n], self.rows[len(prompts) * n:]
         lengths = np.array([len(t) for t, _ in rows])
         return types.SimpleNamespace(texts=[t for t, _ in rows], stop_reason=[r for _, r in rows],
                                      lengths=lengths, token_slots=int(2 * lengths.sum()))

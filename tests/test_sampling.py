@@ -118,6 +118,40 @@ def test_drain_compaction_equals_no_compaction(qwen):
     assert on.cache_sizes()["compact"] >= 2 and off.cache_sizes()["compact"] == 0
 
 
+def test_n_samples_per_prompt_prefill_once(qwen, monkeypatch):
+    """generate(prompts, n=3) equals generate(each prompt repeated 3 times) row for row, greedy and sampled, in the
+    one-batch path and with continuous batching, while each prompt is prefilled once (fewer prefill rows)."""
+    _, m, _ = qwen
+    from nlac_jax.models import decoder
+    traced = []  # prefill rows of every compiled prefill/refill, recorded at trace time
+    real = decoder.prefill
+    monkeypatch.setattr(decoder, "prefill", lambda cfg, params, ids, *a: traced.append(ids.shape[0]) or real(
+        cfg, params, ids, *a))
+    rng = np.random.RandomState(3)
+    ps = [rng.randint(0, VOCAB - 3, n).tolist() for n in rng.randint(1, 30, 5)]
+    stop = tuple(range(40, 90))
+    for kw in (dict(), dict(temperature=1.0, seed=2), dict(slots=8, refill_rows=2),
+               dict(slots=8, refill_rows=2, temperature=1.0, seed=2)):
+        rows = {}
+        for name, args in (("shared", dict(prompts=ps, n=3)), ("repeated", dict(prompts=[p for p in ps for _ in
+                                                                                        range(3)]))):
+            traced.clear()
+            s = sampling.Sampler(m.config)  # fresh executables: every prefill shape is traced (recorded) again
+            rows[name] = (s.generate(m.params, max_new_tokens=N_NEW, stop_token_ids=stop, **args, **kw),
+                          max(traced))
+        (a, a_rows), (b, b_rows) = rows["shared"], rows["repeated"]
+        assert len(a.lengths) == 15 and len(set(b.lengths.tolist())) > 3
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        # a prefill batch of other rows rounds differently in the last float32 bits (|Δ| ~1e-5 on log-probs ~ -4)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert a.stop_reason == b.stop_reason
+        np.testing.assert_array_equal(a.prompt_lengths, b.prompt_lengths)
+        assert a_rows < b_rows, (kw, a_rows, b_rows)  # one-batch: 8 prompts prefilled, not 16; refill: 1, not 2
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        sampling.Sampler(m.config).generate(m.params, ps, n=0)
+
+
 def test_prefill_plus_decode_logits_equal_full_forward(qwen):
     _, m, _ = qwen
     cfg, params = m.config, m.params

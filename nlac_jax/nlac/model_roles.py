@@ -83,8 +83,7 @@ class ModelRoleSampler:
             raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
         if not messages_batch:
             return []
-        prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True)
-                   for m in messages_batch for _ in range(n)]
+        prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True) for m in messages_batch]
         settings = self.settings if settings is None else settings
         temp, budget, top_p = settings.temperature(role), settings.budget(role), float(settings.top_p)
         weights = self.get_params(params)
@@ -93,7 +92,7 @@ class ModelRoleSampler:
         t0 = time.perf_counter()
         res = self.sampler.generate(weights, prompts, max_new_tokens=budget, temperature=temp, top_p=top_p,
                                     stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer,
-                                    slots=self.max_batch)
-        self.counters.add(role, len(prompts), int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
+                                    slots=self.max_batch, n=n)  # each prompt prefilled once for its n samples
+        self.counters.add(role, len(prompts) * n, int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
                           n_slots=res.token_slots)
         return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]

@@ -44,7 +44,15 @@ Design
   column (`lengths`). Executables: `empty`, `refill`, `decode`, whatever the number of prompts. Row randomness
   follows the prompt index (`row_id`), so greedy outputs equal the one-batch path's and sampled ones are
   reproducible for a seed. `GenerateOutput.token_slots` counts row-rounds run; `useful_token_fraction` = kept
-  tokens / token_slots.
+  tokens / token_slots. R is its own bucket (not `min_batch_bucket`).
+* Drain compaction (`Sampler(compact_min_rows=M)`, the loop's `LoopConfig.sampler_compact_min_rows`): once no prompt
+  waits (the one-batch path, or the end of a continuous call), `decode` returns when half the rows are done and
+  `compact` gathers the running rows (cache rows included) into a batch half as large, down to M rows. One `compact`
+  and one `decode` executable per level; all levels of a bucket are compiled the first time the bucket is seen, since
+  which levels a call reaches depends on its data (no recompilation later).
+* n samples per prompt (`generate(..., n=k)`, the NLAC successor's k futures): rows i*k + j, the same rows and
+  randomness as the prompt repeated k times, but each prompt is prefilled once and its cache rows copied to its k
+  rows (`prefill_impl`/`refill_impl` with `src`); a refill then places whole prompts (k slots each).
 * Buckets: batch -> power of two (and a multiple of the data-parallel mesh size); prompt length -> power of two
   >= 16; max_new_tokens -> power of two >= 16. Filler rows are marked done from the start and dropped. The cache
   holds prompt bucket + new-token bucket slots. Positions come from the attention mask (left padding never shifts

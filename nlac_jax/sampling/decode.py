@@ -95,12 +95,18 @@ def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
                       lengths=st.lengths + active.astype(jnp.int32), ss_state=jnp.where(active, ss_state, st.ss_state))
 
 
-def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, *, new_bucket: int) -> DecodeState:
-    """Prompts ids/mask [B, T] (left-padded) -> the decode state after the first token; cache of T + new_bucket
-    slots in cfg's layer layout (params are re-laid out to it here, inside the jit)."""
+def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, src=None, *,
+                 new_bucket: int) -> DecodeState:
+    """Prompts ids/mask [U, T] (left-padded) -> the decode state after the first token; cache of T + new_bucket
+    slots in cfg's layer layout (params are re-laid out to it here, inside the jit). src [B] (optional): row b
+    continues prompt src[b], so a prompt sampled several times is prefilled once (B rows from U prompts);
+    without it B = U. row_live [B]."""
     TRACE_COUNTS["prefill"] += 1
-    B, T = ids.shape
+    T = ids.shape[1]
     logits, cache = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket)
+    if src is not None:
+        logits, mask, cache = jnp.take(logits, src, axis=0), jnp.take(mask, src, axis=0), take_cache_rows(cache, src)
+    B = logits.shape[0]
     st = DecodeState(
         tokens=sharding.constrain(jnp.zeros((B, new_bucket), jnp.int32), ("batch", "length")),
         logprobs=sharding.constrain(jnp.zeros((B, new_bucket), jnp.float32), ("batch", "length")),
@@ -151,14 +157,18 @@ def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket
         cache=decoder.constrain_cache(cache), step=jnp.int32(0), key=key, row_id=z - 1)
 
 
-def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl) -> DecodeState:
-    """Prefill R prompts ids/mask [R, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
-    decode state, holding prompts row_ids [R], and pick their first tokens. Other rows are untouched."""
+def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl, src=None) -> DecodeState:
+    """Prefill prompts ids/mask [U, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
+    decode state, holding rows row_ids [R], and pick their first tokens. Other rows are untouched. src [R]
+    (optional): slot entry r continues prompt src[r] (a prompt sampled several times is prefilled once); without
+    it U = R."""
     TRACE_COUNTS["refill"] += 1
     B = st.done.shape[0]
     S = st.cache["mask"].shape[1]
     T = ids.shape[1]
     logits, new = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, S)
+    if src is not None:
+        logits, mask, new = jnp.take(logits, src, axis=0), jnp.take(mask, src, axis=0), take_cache_rows(new, src)
 
     def put(old, value, axis=0):
         return old.at[(slice(None),) * axis + (slots,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
@@ -180,21 +190,28 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     return rec.replace(done=jnp.where(replaced, rec.done, st2.done))
 
 
+def take_cache_rows(cache: dict, rows: Array) -> dict:
+    """The cache rows `rows` [B2] (int32), in that order: k, v, mask and a per-row index (a scalar index is shared)."""
+    layered = isinstance(cache["k"], (tuple, list))  # per-layer [B, S, K, D] buffers, or stacked [L, B, S, K, D]
+    out = {k: tuple(jnp.take(a, rows, axis=0) for a in cache[k]) if layered else jnp.take(cache[k], rows, axis=1)
+           for k in ("k", "v")}
+    index = cache["index"]  # a scalar when every row started together (one-batch path), else one per row
+    out.update(mask=jnp.take(cache["mask"], rows, axis=0),
+               index=index if jnp.ndim(index) == 0 else jnp.take(index, rows, axis=0))
+    return decoder.constrain_cache(out)
+
+
 def compact_impl(st: DecodeState, keep: Array) -> DecodeState:
     """The rows `keep` [B2] (int32 slot indices, B2 < B) of the decode state, in that order, cache rows included.
     Used once no prompt waits and at most B2 rows still run: the drain then decodes B2 rows instead of B."""
     TRACE_COUNTS["compact"] += 1
 
-    def rows(a, axis=0):
-        return jnp.take(a, keep, axis=axis)
+    def rows(a):
+        return jnp.take(a, keep, axis=0)
 
-    layered = isinstance(st.cache["k"], (tuple, list))  # per-layer [B, S, K, D] buffers, or stacked [L, B, S, K, D]
-    cache = {k: tuple(rows(a) for a in st.cache[k]) if layered else rows(st.cache[k], axis=1) for k in ("k", "v")}
-    index = st.cache["index"]  # a scalar when every row started together (one-batch path), else one per row
-    cache.update(mask=rows(st.cache["mask"]), index=index if jnp.ndim(index) == 0 else rows(index))
     return st.replace(
         tokens=sharding.constrain(rows(st.tokens), ("batch", "length")),
         logprobs=sharding.constrain(rows(st.logprobs), ("batch", "length")),
         last=rows(st.last), prompt_len=rows(st.prompt_len), done=rows(st.done), reason=rows(st.reason),
         lengths=rows(st.lengths), ss_state=rows(st.ss_state), row_id=rows(st.row_id),
-        cache=decoder.constrain_cache(cache))
+        cache=take_cache_rows(st.cache, keep))

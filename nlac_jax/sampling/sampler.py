@@ -121,15 +121,15 @@ class Sampler:
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
-        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, new_bucket: prefill_impl(
-            run_cfg, params, ids, mask, live, key, ctl, new_bucket=new_bucket),
+        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src, new_bucket: prefill_impl(
+            run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket),
             static_argnames=("new_bucket",))
         self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
         self.empty = jax.jit(lambda key, batch, cache_len, new_bucket: empty_state(
             run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket),
             static_argnames=("batch", "cache_len", "new_bucket"))
-        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl: refill_impl(
-            run_cfg, params, st, ids, mask, slots, rows, ctl), donate_argnums=(1,))
+        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src: refill_impl(
+            run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,))
         self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
 
     # ------------------------------------------------------------------ helpers
@@ -222,14 +222,21 @@ class Sampler:
     def generate(self, params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
                  overflow: str = "truncate_left", max_context: int | None = None, slots: int | None = None,
-                 refill_rows: int | None = None) -> GenerateOutput:
+                 refill_rows: int | None = None, n: int = 1) -> GenerateOutput:
         """Generate for a batch of prompts (token-id lists, or strings with `tokenizer`). See the package docstring.
+
+        n: samples per prompt; the output has len(prompts) * n rows, prompt-major (row i*n + j), exactly as if each
+          prompt were repeated n times in `prompts` (same rows, same randomness), but each prompt is prefilled once
+          and its cache copied to its n rows.
 
         slots: with more prompts than `slots`, continuous batching: `slots` rows (bucketed) decode at once and the
           rows that finish are refilled with waiting prompts, `refill_rows` at a time (default slots // 8), so no
           row idles until the longest one ends. Greedy results equal the one-batch path's; sampled ones are
           reproducible for a seed (each prompt's randomness follows its index, not its slot)."""
         cfg = self.cfg
+        per_prompt = int(n)  # (`n` is reused below for row lengths)
+        if per_prompt < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -258,15 +265,15 @@ class Sampler:
         table, host_check = self._stop_table(tokenizer, stop_strings)
         ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
         key = _as_key(seed)
-        B = len(prompts)
+        B = len(prompts) * per_prompt
         with self._mesh_ctx():
             params = self.place_params(params)
             if slots is not None and B > int(slots):
                 tokens, logprobs, lengths, reason, steps, token_slots = self._continuous(
-                    params, prompts, max_new_tokens, key, ctl, int(slots), refill_rows)
+                    params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows)
             else:
                 tokens, logprobs, lengths, reason, steps, token_slots = self._one_batch(
-                    params, prompts, max_new_tokens, key, ctl)
+                    params, prompts, per_prompt, max_new_tokens, key, ctl)
         tokens = np.array(tokens[:B, :max_new_tokens])
         logprobs = np.array(logprobs[:B, :max_new_tokens])
         lengths = np.array(lengths[:B])
@@ -290,8 +297,9 @@ class Sampler:
                 txt = decode_text(tokenizer, body.tolist())
                 texts.append(cut_text(txt, stop_strings) if reasons[b] == "stop_string" else txt)
         return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
-                              prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
-                              prompt_tokens_dropped=dropped, num_steps=int(steps), token_slots=int(token_slots))
+                              prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
+                              prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt),
+                              num_steps=int(steps), token_slots=int(token_slots))
 
     def _device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
@@ -329,29 +337,44 @@ class Sampler:
         from nlac_jax import text
         return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
-    def _one_batch(self, params, prompts, max_new_tokens, key, ctl):
-        """Every prompt in one bucketed batch: prefill, then decode until all rows are done (compacting the batch as
-        rows finish)."""
-        P = len(prompts)
+    def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl):
+        """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
+        the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows."""
+        P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
-        ids, mask = self._left_pad(prompts, Bb, Tb)
-        ids, mask, live = self._device_rows(ids, mask, np.arange(Bb) < P)
-        key, ctl = self._replicated((key, ctl))
-        st = self.prefill(params, ids, mask, live, key, ctl, new_bucket=Nb)
+        Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
+        src = None
+        if Ub < Bb:  # fewer prompts to prefill than rows: prefill each once
+            src = np.zeros((Bb,), np.int32)
+            src[:P] = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
+        else:
+            prompts, Ub = [p for p in prompts for _ in range(n)], Bb
+        ids, mask = self._left_pad(prompts, Ub, Tb)
+        ids, mask = self._device_rows(ids, mask)
+        (live,) = self._device_rows(np.arange(Bb) < P)
+        key, ctl, src = self._replicated((key, ctl, src))
+        st = self.prefill(params, ids, mask, live, key, ctl, src, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
-        return self._slot_loop(params, st, ctl, prompts, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb)
+        return self._slot_loop(params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
+                               rows=P)
 
-    def _continuous(self, params, prompts, max_new_tokens, key, ctl, slots, refill_rows):
+    def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
-        calls (host syncs only there)."""
+        calls (host syncs only there). With n > 1 a refill places whole prompts: each prefilled once, into n slots."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
-        # refill_rows is its own bucket (not min_batch_bucket, which would make every refill wait for 16 free slots)
         dp = self.data_parallel
-        R = min(B, -(-bucket_length(max(1, B // 8) if refill_rows is None else int(refill_rows), 1) // dp) * dp)
+        want = max(1, B // 8) if refill_rows is None else int(refill_rows)
+        if n > B // dp * dp or n > B:  # a prompt's n rows cannot all fit at once: no sharing
+            prompts, n = [p for p in prompts for _ in range(n)], 1
+        # prompts per refill: its own bucket (not min_batch_bucket, which would make every refill wait for 16 free
+        # slots), a multiple of the data-parallel degree, and its n rows each must fit the slots
+        Ru = -(-bucket_length(-(-want // n), 1) // dp) * dp
+        while Ru * n > B and Ru > dp:
+            Ru -= dp
         key, ctl = self._replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=Tb + Nb, new_bucket=Nb)
-        return self._slot_loop(params, st, ctl, prompts, [-1] * B, Nb, nxt=0, refill_rows=R, slots_used=0,
-                               prompt_bucket=Tb)
+        return self._slot_loop(params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
+                               rows=len(prompts) * n, prompt_bucket=Tb)
 
     def _smaller_batch(self, batch: int, active: int) -> int | None:
         """The smallest batch of the halving chain batch/2, batch/4, ... that holds `active` rows, or None (compaction
@@ -361,11 +384,14 @@ class Sampler:
             best, b = b, b // 2
         return best
 
-    def _slot_loop(self, params, st, ctl, prompts, holds, Nb, *, nxt, refill_rows, slots_used, prompt_bucket=0):
-        """Decode a state whose slots hold prompts `holds` (index, or -1 = free) until every prompt is done: refill
-        free slots with prompts nxt.. (`refill_rows` at a time, fixed shape), and once none waits, compact the batch
-        to the rows still running. Returns per-prompt arrays in prompt order, decode rounds and token slots."""
-        P, B, R = len(prompts), len(holds), refill_rows
+    def _slot_loop(self, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
+                   prompt_bucket=0):
+        """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
+        Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
+        each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
+        arrays in row order, decode rounds and token slots."""
+        P, B, Ru = rows, len(holds), refill_rows
+        R = Ru * n  # slot entries per refill
         self._compile_drain(params, st, ctl)
         out_tok = np.zeros((P, Nb), np.int32)
         out_lp = np.zeros((P, Nb), np.float32)
@@ -375,18 +401,19 @@ class Sampler:
         steps = int(_fetch(st.step))
         while True:
             free = [b for b in range(B) if holds[b] < 0]
-            if nxt < P and len(free) >= min(R, P - nxt):  # refill: R prompts (fixed shape) into free slots
-                take = prompts[nxt:nxt + min(R, len(free))]
-                ids, mask = self._left_pad(take, R, prompt_bucket)
+            if nxt < P and len(free) >= min(R, P - nxt):  # refill: whole prompts (fixed shape) into free slots
+                take = prompts[nxt // n:nxt // n + min(Ru, (P - nxt) // n, len(free) // n)]
+                ids, mask = self._left_pad(take, Ru, prompt_bucket)
                 idx = np.full((R,), B, np.int32)  # slot B = unused entry (dropped on device)
-                rows = np.full((R,), -1, np.int32)
-                for j in range(len(take)):
-                    idx[j], rows[j] = free[j], nxt + j
-                    holds[free[j]] = nxt + j
+                row_ids = np.full((R,), -1, np.int32)
+                src = np.repeat(np.arange(Ru, dtype=np.int32), n)  # entry e continues prompt e // n of this refill
+                for e in range(len(take) * n):
+                    idx[e], row_ids[e] = free[e], nxt + e
+                    holds[free[e]] = nxt + e
                 ids, mask = self._device_rows(ids, mask)
-                idx, rows = self._replicated((idx, rows))
-                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(rows), ctl)
-                nxt, slots_used = nxt + len(take), slots_used + R  # a refill picks R first tokens
+                idx, row_ids, src = self._replicated((idx, row_ids, src if n > 1 else None))
+                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src)
+                nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
                 continue  # fill every free slot before decoding
             if nxt < P:  # return when a refill's worth has finished
                 ret = len(free) + min(R, P - nxt)
@@ -460,14 +487,15 @@ def get_sampler(cfg: ModelConfig, mesh=None, rules=None) -> Sampler:
 
 def generate(model_or_cfg_params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
-             mesh=None, overflow: str = "truncate_left", max_context: int | None = None) -> GenerateOutput:
+             mesh=None, overflow: str = "truncate_left", max_context: int | None = None, n: int = 1) -> GenerateOutput:
     """Sample continuations for `prompts` from a `models.Model` (or a `(ModelConfig, params)` pair).
 
     prompts: list of token-id lists, or of strings (needs a tokenizer: `tokenizer=` or the Model's own).
     max_new_tokens: budget per row. temperature 0 = greedy; top_k 0 = off; top_p 1 = off. seed: int or PRNG key.
     stop_token_ids: ids that end a row (default: the tokenizer's stop ids, else the config's eos; () = none).
     stop_strings: strings that end a row (needs a tokenizer). mesh: run sharded (params are laid out on it).
-    overflow: 'truncate_left' | 'error' | 'stop' (package docstring). Returns a GenerateOutput.
+    overflow: 'truncate_left' | 'error' | 'stop' (package docstring). n: samples per prompt (rows i*n + j, each
+    prompt prefilled once). Returns a GenerateOutput with len(prompts) * n rows.
     """
     if isinstance(model_or_cfg_params, tuple):
         cfg, params = model_or_cfg_params
@@ -478,4 +506,4 @@ def generate(model_or_cfg_params, prompts, max_new_tokens: int = 64, temperature
     return get_sampler(cfg, mesh).generate(
         params, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed, tokenizer=tokenizer, overflow=overflow,
-        max_context=max_context)
+        max_context=max_context, n=n)
