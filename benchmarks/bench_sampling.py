@@ -71,6 +71,10 @@ def main(argv=None):
     p.add_argument("--no_hf", action="store_true", help="skip transformers")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--model_dir", help="benchmark this HF directory instead of the random reference model")
+    p.add_argument("--samples_per_prompt", type=int, default=1,
+                   help="K > 1: also time K samples of each of B/K prompts: ours with generate(n=K) (each prompt "
+                        "prefilled once) against ours with the prompts repeated K times and transformers' "
+                        "num_return_sequences=K (sampled, temperature 1, top_k 0)")
     args = p.parse_args(argv)
     defaults = dict(batches="1,8", new_tokens=32, dtypes="float32", repeats=1) if args.quick else \
         dict(batches="1,8,32", new_tokens=128, dtypes="float32,bfloat16", repeats=3)
@@ -108,7 +112,7 @@ def main(argv=None):
     print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s (best of " +
           ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bws.items()) +
           f"); prompt {T} tokens, {N} new tokens, greedy, no early stop")
-    rows = []
+    rows, shared = [], []
     for dtype in dtypes:
         m = models.load_pretrained(model_dir, dtype=dtype, load_tokenizer=False)
         cfg = m.config
@@ -171,12 +175,57 @@ def main(argv=None):
                 row["hf32"] = base[0]["hf"] if base else None
             rows.append(row)
             print(_fmt(row), flush=True)
+        if args.samples_per_prompt > 1:
+            shared.extend(shared_prefill_rows(args, m, hm, sampler, batches, dtype))
+    if shared:
+        print(f"\nK = {args.samples_per_prompt} samples per prompt (B rows = B/K prompts x K; sampled; tok/s, best of "
+              f"{args.repeats})\n\n| dtype | rows | ours n=K (shared prefill) | ours, prompts repeated | transformers "
+              f"num_return_sequences | shared / repeated | shared / transformers |\n|---|---|---|---|---|---|---|")
+        for r in shared:
+            print(f"| {r['dtype']} | {r['B']} | {r['shared']:.1f} | {r['repeated']:.1f} | "
+                  + ("-" if r["hf"] is None else f"{r['hf']:.1f}") + f" | {r['shared'] / r['repeated']:.2f}x | "
+                  + ("-" if r["hf"] is None else f"{r['shared'] / r['hf']:.2f}x") + " |")
     print("\n| dtype | batch | compile s | ours tok/s | transformers tok/s (same dtype) | speed-up | "
           "speed-up vs transformers f32 | our decode steps/s | stream eff. ours / hf | greedy agree |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_fmt(r, md=True))
     return rows
+
+
+def shared_prefill_rows(args, m, hm, sampler, batches, dtype) -> list[dict]:
+    """Tok/s of B rows made of B/K prompts x K samples: generate(n=K) vs the prompts repeated K times (both ours) vs
+    transformers' num_return_sequences=K (which repeats the prompts before its prefill)."""
+    import torch
+    K, N, T = args.samples_per_prompt, args.new_tokens, args.prompt_len
+    out = []
+    for B in batches:
+        if B % K:
+            continue
+        prompts = np.random.RandomState(B).randint(0, m.config.vocab_size, (B // K, T)).tolist()
+        kw = dict(max_new_tokens=N, stop_token_ids=(), temperature=1.0, seed=0)
+        ti = torch.tensor(prompts)
+        runs = {"shared": lambda: sampler.generate(m.params, prompts, n=K, **kw),
+                "repeated": lambda: sampler.generate(m.params, [p for p in prompts for _ in range(K)], **kw)}
+        if not args.no_hf:
+            def hf():
+                with torch.no_grad():
+                    return hm.generate(input_ids=ti, attention_mask=torch.ones_like(ti), do_sample=True, top_k=0,
+                                       temperature=1.0, num_return_sequences=K, max_new_tokens=N, min_new_tokens=N,
+                                       eos_token_id=None, pad_token_id=0)
+            runs["hf"] = hf
+        best = {k: float("inf") for k in runs}
+        for k, fn in runs.items():
+            fn()  # warm-up / compile
+        for _ in range(args.repeats):  # interleaved
+            for k, fn in runs.items():
+                t = time.perf_counter()
+                fn()
+                best[k] = min(best[k], time.perf_counter() - t)
+        out.append(dict(dtype=dtype, B=B, **{k: B * N / v for k, v in best.items()}, **({} if "hf" in runs
+                                                                                       else {"hf": None})))
+        print(f"  K={K} rows {B}: " + ", ".join(f"{k} {B * N / v:.1f} tok/s" for k, v in best.items()), flush=True)
+    return out
 
 
 def _fmt(r, md=False):

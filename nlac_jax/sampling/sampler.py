@@ -121,7 +121,7 @@ class Sampler:
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
-        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src, new_bucket: prefill_impl(
+        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, *, new_bucket: prefill_impl(
             run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket),
             static_argnames=("new_bucket",))
         self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
