@@ -59,10 +59,11 @@ class LoopConfig:
       there are fewer tasks than episodes); calibration_transitions: (s, a) pairs for the critic diagnostics.
     checkpoint_every / keep_checkpoints: in iterations.
     sampler_max_batch: prompts per sampler call; sampler_min_batch: calls are padded to at least this many rows
-      (fewer shapes to compile: rollouts' shrinking batches share one executable). sampler_compact_min_rows: once a
-      call has no waiting prompt, its running rows move into a batch half as large, down to this many rows (0: off),
-      so the drain does not decode finished rows; each level is one more executable per bucket (compiled at its
-      first call), which pays off when a decode step's cost grows with its rows (a real model), not on a toy one.
+      (fewer shapes to compile: rollouts' shrinking batches share one executable). sampler_compact_levels: once a
+      call has no waiting prompt, its running rows move into a batch half as large, up to this many times (0: off),
+      so the drain does not decode finished rows; each level is one more decode executable per bucket (compiled at
+      the bucket's first call): it pays off when a decode step's cost grows with its rows (a real model, long
+      caches), not on a toy model, where it only adds compile time.
     Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
@@ -88,7 +89,7 @@ class LoopConfig:
     keep_checkpoints: int = 2
     sampler_max_batch: int = 64
     sampler_min_batch: int = 16
-    sampler_compact_min_rows: int = 4
+    sampler_compact_levels: int = 2
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
@@ -100,7 +101,7 @@ class LoopConfig:
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
-                      "dump_examples", "seed", "sampler_compact_min_rows")
+                      "dump_examples", "seed", "sampler_compact_levels")
         for name in at_least_1:
             _check_int(self, name, 1)
         for name in at_least_0:
@@ -287,7 +288,7 @@ class NLACRun:
                                                             seed=self.loop.seed, donate_params=params is not None)
 
         self.sampler = sampling.Sampler(self.cfg, mesh=self.mesh, min_batch_bucket=self.loop.sampler_min_batch,
-                                        compact_min_rows=self.loop.sampler_compact_min_rows)
+                                        compact_levels=self.loop.sampler_compact_levels)
         holder = self.holder
         self.roles = model_roles.ModelRoleSampler(
             self.sampler, self.tokenizer,

@@ -102,7 +102,7 @@ def test_drain_compaction_equals_no_compaction(qwen):
     rng = np.random.RandomState(8)
     ps = [rng.randint(0, VOCAB - 3, n).tolist() for n in rng.randint(1, 30, 13)]
     stop = tuple(range(40, 90))
-    on, off = sampling.Sampler(m.config, compact_min_rows=2), sampling.Sampler(m.config, compact_min_rows=0)
+    on, off = sampling.Sampler(m.config, compact_levels=3), sampling.Sampler(m.config, compact_levels=0)
     for kw in (dict(), dict(slots=8, refill_rows=2), dict(temperature=1.0, seed=4, slots=8, refill_rows=2)):
         a = on.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop, **kw)
         b = off.generate(m.params, ps, max_new_tokens=N_NEW, stop_token_ids=stop, **kw)

@@ -45,9 +45,9 @@ Design
   follows the prompt index (`row_id`), so greedy outputs equal the one-batch path's and sampled ones are
   reproducible for a seed. `GenerateOutput.token_slots` counts row-rounds run; `useful_token_fraction` = kept
   tokens / token_slots. R is its own bucket (not `min_batch_bucket`).
-* Drain compaction (`Sampler(compact_min_rows=M)`, the loop's `LoopConfig.sampler_compact_min_rows`): once no prompt
+* Drain compaction (`Sampler(compact_levels=L)`, the loop's `LoopConfig.sampler_compact_levels`): once no prompt
   waits (the one-batch path, or the end of a continuous call), `decode` returns when half the rows are done and
-  `compact` gathers the running rows (cache rows included) into a batch half as large, down to M rows. One `compact`
+  `compact` gathers the running rows (cache rows included) into a batch half as large, up to L times. One `compact`
   and one `decode` executable per level; all levels of a bucket are compiled the first time the bucket is seen, since
   which levels a call reaches depends on its data (no recompilation later).
 * n samples per prompt (`generate(..., n=k)`, the NLAC successor's k futures): rows i*k + j, the same rows and

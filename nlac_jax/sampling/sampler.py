@@ -101,7 +101,7 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
                  min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
-                 compact_min_rows: int = 0):
+                 compact_levels: int = 0):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
@@ -113,10 +113,10 @@ class Sampler:
         self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
         self.min_batch_bucket = max(1, int(min_batch_bucket))
-        # compact_min_rows: once no prompt waits, the rows still running move into a batch half as large (or
-        # smaller), down to this many rows (0: never), so a call's drain does not decode finished rows. Each batch
-        # of the halving chain is one more executable per bucket (compiled once).
-        self.compact_min_rows = max(0, int(compact_min_rows))
+        # compact_levels: once no prompt waits, the rows still running move into a batch half as large, up to this
+        # many times (0: never), so a call's drain does not decode finished rows. Each level is one more decode
+        # executable per bucket (all compiled the first time the bucket is seen): few levels keep most of the gain.
+        self.compact_levels = max(0, int(compact_levels))
         self._drain_compiled: set = set()
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
@@ -376,13 +376,12 @@ class Sampler:
         return self._slot_loop(params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
                                rows=len(prompts) * n, prompt_bucket=Tb)
 
-    def _smaller_batch(self, batch: int, active: int) -> int | None:
-        """The smallest batch of the halving chain batch/2, batch/4, ... that holds `active` rows, or None (compaction
-        off, or no smaller batch: at least `compact_min_rows` and a multiple of the data-parallel degree)."""
-        best, b = None, batch // 2
-        while self.compact_min_rows and b >= max(self.compact_min_rows, active, 1) and b % self.data_parallel == 0:
-            best, b = b, b // 2
-        return best
+    def _half_batch(self, batch: int, top: int) -> int | None:
+        """batch // 2 if the drain of a call that started with `top` rows may compact to it (at most
+        `compact_levels` halvings of `top`, at least one row, a multiple of the data-parallel degree), else None."""
+        half = batch // 2
+        ok = self.compact_levels and half >= max(1, top >> self.compact_levels) and half % self.data_parallel == 0
+        return half if ok else None
 
     def _slot_loop(self, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
                    prompt_bucket=0):
@@ -391,6 +390,7 @@ class Sampler:
         each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
         arrays in row order, decode rounds and token slots."""
         P, B, Ru = rows, len(holds), refill_rows
+        top = B
         R = Ru * n  # slot entries per refill
         self._compile_drain(params, st, ctl)
         out_tok = np.zeros((P, Nb), np.int32)
@@ -418,7 +418,7 @@ class Sampler:
             if nxt < P:  # return when a refill's worth has finished
                 ret = len(free) + min(R, P - nxt)
             else:  # drain: return when the running rows fit a smaller batch
-                half = self._smaller_batch(B, B // 2)
+                half = self._half_batch(B, top)
                 ret = B - half if half else B + 1
             st = self.decode(params, st, dict(ctl, return_when_done=self._replicated(jnp.int32(ret))))
             done, row_id, now = _fetch(st.done), _fetch(st.row_id), int(_fetch(st.step))
@@ -436,7 +436,7 @@ class Sampler:
                 return out_tok, out_lp, out_len, out_reason, steps, slots_used
             # drain: halve the batch while the running rows fit (one level at a time: one compact executable per
             # level, all compiled by _compile_drain when the bucket was first seen)
-            while nxt == P and (half := self._smaller_batch(B, B // 2)) and sum(h >= 0 for h in holds) <= half:
+            while nxt == P and (half := self._half_batch(B, top)) and sum(h >= 0 for h in holds) <= half:
                 keep = ([b for b in range(B) if holds[b] >= 0] + [b for b in range(B) if holds[b] < 0])[:half]
                 st = self.compact(st, self._replicated(jnp.asarray(np.asarray(keep, np.int32))))
                 holds, B = [holds[b] for b in keep], half
@@ -445,12 +445,12 @@ class Sampler:
         """Compile the compact and decode executables of every batch of this state's drain chain, the first time its
         bucket is seen: which levels a call reaches depends on its data, and a later call must not compile."""
         sig = (st.done.shape[0], st.tokens.shape[1], st.cache["mask"].shape[1], np.ndim(st.cache["index"]))
-        if not self.compact_min_rows or sig in self._drain_compiled:
+        if not self.compact_levels or sig in self._drain_compiled:
             return
         self._drain_compiled.add(sig)
         ctl0 = dict(ctl, return_when_done=self._replicated(jnp.int32(0)))  # the decode loop returns at once
-        B = sig[0]
-        while half := self._smaller_batch(B, B // 2):
+        B = top = sig[0]
+        while half := self._half_batch(B, top):
             st = self.decode(params, self.compact(st, self._replicated(jnp.arange(half, dtype=jnp.int32))), ctl0)
             B = half
 
