@@ -280,10 +280,9 @@ def state_bytes(state, compiled_step) -> dict:
 
 
 def _needs_external_model(env_factory) -> bool:
-    """Whether the environment plays against a model (the loop builds ExternalModel then)."""
-    name = env_factory.env_name
-    return (name == "twenty_questions" and env_factory.oracle == "model") or \
-        (name.startswith("tau_") and env_factory.user == "model")
+    """Whether the loop loads a local ExternalModel onto the chips: the environment plays against a model that is not
+    behind an endpoint (external_model.kind = 'openai' runs it elsewhere)."""
+    return env_factory.needs_model and _bound("external_model.kind", "local") == "local"
 
 
 def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:

@@ -44,7 +44,10 @@ RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 class JudgeError(RuntimeError):
     """An endpoint that cannot be used (unreachable, refusing, malformed answers); the message is one line naming
-    the URL."""
+    the URL. It stops the run even when env code meets it (``envs.base.is_fatal``): an env exception would only end
+    the episode, and every later one would fail the same way."""
+
+    stops_the_run = True
 
 
 def _reason(e: BaseException) -> str:
