@@ -137,9 +137,9 @@ NL_JUDGE_MODES = ("auto", "on", "off")
 def nl_assertion_judge(external=None, enabled: str = "auto", max_tokens: int = 1024, dry: bool = False):
     """The model that judges τ-bench's NL assertions (`envs.tau_judge`), or None.
 
-    It is a `judges.OpenAIChatModel` built from the same `OpenAIChatModel.*` bindings as the user simulator's
-    endpoint (URL, model, key variable, cache), with its own `max_tokens`: a verdict and its reasoning per assertion
-    need more room than a user turn.
+    It is a `judges.OpenAIChatModel` on the user simulator's endpoint (`external.derive`: the same URL, model, key
+    variable and cache; without one, the `OpenAIChatModel.*` bindings), with its own `max_tokens`: a verdict and its
+    reasoning per assertion need more room than a user turn.
     external: the env's own model (a call-site argument): 'auto' judges when it is an endpoint.
     enabled: 'auto' (on when the τ-bench user runs behind an endpoint), 'on' (always; the bindings must name an
       endpoint) or 'off'.
@@ -151,6 +151,8 @@ def nl_assertion_judge(external=None, enabled: str = "auto", max_tokens: int = 1
     from nlac_jax.judges.client import OpenAIChatModel
     if enabled == "off" or (enabled == "auto" and not isinstance(external, OpenAIChatModel)):
         return None
+    if isinstance(external, OpenAIChatModel):
+        return external.derive(max_tokens=max_tokens)
     return OpenAIChatModel(max_tokens=max_tokens, **({"cache_dir": None} if dry else {}))
 
 
