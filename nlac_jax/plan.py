@@ -395,6 +395,9 @@ def main(argv=None) -> int:
     params = list(flags.gin_param)
     if not any(re.match(r"\s*MODEL_DIR\s*=", b) for b in params):
         params.insert(0, "MODEL_DIR = None")  # planning reads build_model.hf_config, never the weights
+    for macro, stand_in in (("JUDGE_URL", "'http://judge.invalid/v1'"), ("JUDGE_MODEL", "'judge'")):
+        if not any(re.match(rf"\s*{macro}\s*=", b) for b in params):  # planning never calls the judge endpoint
+            params.insert(0, f"{macro} = {stand_in}")
     train.load_gin(flags.gin_file, params, check_mesh=False)
     if flags.cpu_devices is not None:
         devices, where = cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"
