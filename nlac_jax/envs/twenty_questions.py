@@ -364,7 +364,8 @@ ORACLE_PROMPT = (
 _THINK_RE = re.compile(r'<think>.*?(</think>|$)', re.S | re.I)
 _ANSWER_PREFIX_RE = re.compile(r'^(final answer|answer|a|reply|response)\s*[:\-]\s*', re.I)
 _CANT_RE = re.compile(r"^(can ?not|can'?t|cant|could not|couldn'?t|unable to) (tell|say|know|answer|determine)\b"
-                      r"|^(unknown|unsure|not sure|no idea|no way to (tell|know)|it depends|depends|maybe|sometimes|n/?a)\b")
+                      r"|^(unknown|unsure|not sure|no idea|no way to (tell|know)|it depends|depends|maybe|"
+                      r"sometimes|n/?a)\b")
 
 
 def parse_oracle_reply(text) -> str:
@@ -387,8 +388,6 @@ def parse_oracle_reply(text) -> str:
         return CANT
     return YES if m.group(1) == 'yes' else NO
 
-
-parse_yes_no = parse_oracle_reply  # the former name
 
 
 class ModelOracle(Oracle):

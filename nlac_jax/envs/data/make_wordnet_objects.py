@@ -101,7 +101,7 @@ def select_objects(wordnet_dir: str) -> list:
             continue  # a proper noun
         if lexfile == '06' and hyponyms >= MAX_HYPONYMS:
             continue
-        if off not in best or (cnt, lemma) > best[off][:2] and cnt > best[off][0]:
+        if off not in best or (-cnt, lemma) < (-best[off][0], best[off][1]):  # most frequent, then first by name
             best[off] = (cnt, lemma, LEXFILES[lexfile])
     chosen = sorted(best.items(), key=lambda kv: (-kv[1][0], kv[1][1]))[:N_OBJECTS]
     names = {lemma for _, (_, lemma, _) in chosen}
