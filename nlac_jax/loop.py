@@ -28,7 +28,7 @@ from nlac_jax import compilations
 # files are parsed).
 from nlac_jax.metrics import MetricsWriter, summary_table
 from nlac_jax.judges.client import OpenAIChatModel  # noqa: F401  (registers OpenAIChatModel.* with gin)
-from nlac_jax.models.building import ExternalModel, build_model, external_model
+from nlac_jax.models.building import ExternalModel, build_model, external_model, nl_assertion_judge
 
 log = logging.getLogger("nlac_jax.loop")
 
@@ -232,14 +232,17 @@ class NLACRun:
         self.sampling = RoleSampling()  # how every role is sampled, for acting, targets and evaluation alike
         self.env_factory = envs.make_env_factory()
         self.env_name = self.env_factory.env_name
-        needs_model = (self.env_name == "twenty_questions" and self.env_factory.oracle == "model") or \
-            (self.env_name.startswith("tau_") and self.env_factory.user == "model")
+        needs_model = self.env_factory.needs_model
         # an endpoint-backed oracle / user first: an unreachable judge fails here, before anything compiles (a local
         # ExternalModel loads later, after the start-up checks, as its weights take a while)
         self.external = external_model(endpoint_only=True) if needs_model else None
-        check = getattr(self.external, "check", None)
-        if callable(check):  # an endpoint (judges.OpenAIChatModel): reachable, key accepted, model served
-            check()
+        # τ-bench's NL assertions are judged on the same endpoint when the user runs behind one (nl_assertion_judge)
+        self.nl_judge = nl_assertion_judge(self.external) if self.env_name.startswith("tau_") and needs_model \
+            else None
+        for endpoint in (self.external, self.nl_judge):
+            check = getattr(endpoint, "check", None)
+            if callable(check):  # an endpoint (judges.OpenAIChatModel): reachable, key accepted, model served
+                check()
         self.task_source = self._task_source()
         self.prompts = prompts_lib.PromptSet(task=self.env_name)
         self.mesh = sharding.make_mesh()
@@ -298,7 +301,8 @@ class NLACRun:
             self.external = external_model()
         generate_fn = self.external
         # env_pool counts every process's envs: this process plays its share of each iteration's tasks
-        self.envs = self.env_factory.make(-(-self.loop.env_pool // self.processes.count), generate_fn)
+        self.envs = self.env_factory.make(-(-self.loop.env_pool // self.processes.count), generate_fn,
+                                          self.nl_judge)
         self.judge_env = self.env_factory(generate_fn)
         held_out = self.task_source.tasks(self.task_source.eval_split)
         # more episodes than held-out tasks: each task is played again (a sampled policy's success is a mean)
@@ -414,9 +418,10 @@ class NLACRun:
             m.update(self.evaluate(it, bars))
         # an endpoint-backed oracle / user (judges.OpenAIChatModel): its request, cache and token counters, cumulative
         # since this process started
-        judge_metrics = getattr(self.external, "metrics", None)
-        if callable(judge_metrics):
-            m.update({f"judge/{k}": v for k, v in judge_metrics().items()})
+        for prefix, endpoint in (("judge", self.external), ("nl_judge", self.nl_judge)):
+            endpoint_metrics = getattr(endpoint, "metrics", None)
+            if callable(endpoint_metrics):
+                m.update({f"{prefix}/{k}": v for k, v in endpoint_metrics().items()})
         new = compilations.since(compiled_before)
         m["compile/count"] = sum(new.values())
         if new and it > self.start_iteration:  # the first iteration compiles everything; later ones should not

@@ -280,10 +280,9 @@ def state_bytes(state, compiled_step) -> dict:
 
 
 def _needs_external_model(env_factory) -> bool:
-    """Whether the environment plays against a model (the loop builds ExternalModel then)."""
-    name = env_factory.env_name
-    return (name == "twenty_questions" and env_factory.oracle == "model") or \
-        (name.startswith("tau_") and env_factory.user == "model")
+    """Whether the loop loads a local ExternalModel onto the chips: the environment plays against a model that is not
+    behind an endpoint (external_model.kind = 'openai' runs it elsewhere)."""
+    return env_factory.needs_model and _bound("external_model.kind", "local") == "local"
 
 
 def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
@@ -396,6 +395,9 @@ def main(argv=None) -> int:
     params = list(flags.gin_param)
     if not any(re.match(r"\s*MODEL_DIR\s*=", b) for b in params):
         params.insert(0, "MODEL_DIR = None")  # planning reads build_model.hf_config, never the weights
+    for macro, stand_in in (("JUDGE_URL", "'http://judge.invalid/v1'"), ("JUDGE_MODEL", "'judge'")):
+        if not any(re.match(rf"\s*{macro}\s*=", b) for b in params):  # planning never calls the judge endpoint
+            params.insert(0, f"{macro} = {stand_in}")
     train.load_gin(flags.gin_file, params, check_mesh=False)
     if flags.cpu_devices is not None:
         devices, where = cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"

@@ -119,7 +119,7 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
         loop_cfg = loop.LoopConfig()
         targets.TargetConfig()
         RoleSampling()
-        envs.make_env_factory()
+        building.check_endpoint_bindings(envs.make_env_factory())  # e.g. JUDGE_URL unset: fails here, by name
         envs.make_task_source()
         model_cfg, _, _ = building.build_model()  # config.json + tokenizer only (weights load later, sharded)
         if check_mesh:

@@ -309,3 +309,121 @@ def test_model_user_requests_are_batched(retail):
     assert batches == [1, 1, 1, 2, 1]
     assert [e.length for e in eps] == [2, 1, 1]
     assert all(e.transitions[-1].info['termination'] == 'user_stop' for e in eps)
+
+
+# ------------------------------------------------------------------------------ NL assertions (an LLM judge) ---
+
+def _verdicts(assertions, met):
+    return json.dumps({'results': [{'expectedOutcome': a, 'reasoning': 'because', 'metExpectation': m}
+                                   for a, m in zip(assertions, met)]})
+
+
+def test_parse_verdicts_never_raises_and_unclear_is_not_met():
+    from nlac_jax.envs.tau_judge import parse_verdicts
+    a = ['Agent refunds $10.', 'Agent apologises.']
+    good = _verdicts(a, [True, False])
+    assert [c['met'] for c in parse_verdicts(good, a)] == [True, False]
+    # reasoning before the JSON, tau2's example's trailing commas, verdicts in another order, "true" as a string
+    loose = ('<think>hmm</think> Here: {"results": [{"expectedOutcome": "Agent apologises.", "metExpectation": '
+             '"true",}, {"expectedOutcome": "agent  refunds $10.", "metExpectation": true,},]}')
+    assert [c['met'] for c in parse_verdicts(loose, a)] == [True, True]
+    # one result per assertion but the outcome not repeated: matched by position
+    assert [c['met'] for c in parse_verdicts('{"results": [{"metExpectation": true}, {"metExpectation": true}]}', a)] \
+        == [True, True]
+    # a skipped assertion, or any unreadable reply, is not met (tau2 would pass the first and crash on the rest)
+    skipped = parse_verdicts(_verdicts(a[:1], [True]), a)
+    assert [c['met'] for c in skipped] == [True, False] and 'skipped' in skipped[1]['justification']
+    for bad in ['', 'Yes, all met.', '{"results": "all"}', '{not json', None, 3, '[' * 100_000, '{"results": []}',
+                '{' * 5000 + '}' * 5000, 'x' * 300_000]:
+        checks = parse_verdicts(bad, a)
+        assert [c['met'] for c in checks] == [False, False] and all(c['nl_assertion'] in a for c in checks), bad
+
+
+def _tau2_evaluate(monkeypatch, reply_text):
+    """tau2's own evaluate_simulation, imported without litellm / pandas (stubbed; only the NL judge's LLM call and a
+    DataFrame type annotation use them) and with its judge answering ``reply_text``. Returns (fn, judge chats)."""
+    import importlib.util
+    import types
+    stub = types.ModuleType('tau2.utils.llm_utils')
+    stub.generate = None
+    monkeypatch.setitem(sys.modules, 'tau2.utils.llm_utils', stub)
+    if importlib.util.find_spec('pandas') is None:
+        pd = types.ModuleType('pandas')
+        pd.DataFrame = object
+        monkeypatch.setitem(sys.modules, 'pandas', pd)
+    from tau2.data_model.message import AssistantMessage
+    from tau2.data_model.simulation import SimulationRun, TerminationReason
+    from tau2.evaluator import evaluator, evaluator_nl_assertions
+    chats = []
+
+    def generate(model, messages, **kw):
+        chats.append(messages)
+        return AssistantMessage(role='assistant', content=reply_text)
+
+    monkeypatch.setattr(evaluator_nl_assertions, 'generate', generate)
+
+    def evaluate(task, trajectory):
+        run = SimulationRun(id='x', task_id=task.id, start_time='', end_time='', duration=0.0,
+                            termination_reason=TerminationReason.USER_STOP, messages=trajectory)
+        return evaluator.evaluate_simulation(run, task, evaluator.EvaluationType.ALL_WITH_NL_ASSERTIONS,
+                                             solo_mode=False, domain='retail').reward
+    return evaluate, chats
+
+
+@pytest.mark.parametrize('met,drop_summary', [((True, True), False), ((True, False), False), ((True, True), True)])
+def test_nl_assertion_reward_matches_tau2s_evaluator(retail, monkeypatch, met, drop_summary):
+    import copy
+
+    from nlac_jax.envs.tau_adapter import import_tau2
+    from nlac_jax.envs.tau_judge import NLAssertionJudge
+    base = retail['retail-108']
+    assertions = _crit(base)['nl_assertions']
+    assert len(assertions) == 2 and 'NL_ASSERTION' not in _crit(base)['reward_basis']
+    reply = _verdicts(assertions, met)
+    ours_seen = []
+
+    def judge_model(chats):  # a judge that answers as tau2's monkeypatched one does
+        ours_seen.extend(chats)
+        return [reply] * len(chats)
+
+    tau2_evaluate, tau2_seen = _tau2_evaluate(monkeypatch, reply)
+    task = copy.deepcopy(base)  # the same task with NL_ASSERTION in its reward basis
+    _crit(task)['reward_basis'] = _crit(task)['reward_basis'] + ['NL_ASSERTION']
+    script = gold_actions_script(task)
+    if drop_summary:  # the required information is never said: COMMUNICATE fails whatever the judge says
+        script = script[:-1] + ['All done.']
+    for t, mode in ((task, 'basis'), (base, 'basis'), (base, 'always')):
+        ours_seen.clear()
+        env = TauBenchEnv(ScriptedUser(), nl_judge=NLAssertionJudge(judge_model), nl_assertions=mode)
+        last = run_script(env, t, script)[-1]
+        assert last.done and last.info['termination'] == 'user_stop'
+        tau2_task = import_tau2()[1].Task.model_validate(t.payload['task'])
+        expected = tau2_evaluate(tau2_task, env.trajectory)
+        if mode == 'always':  # stricter than tau2: the assertions count although the basis leaves them out
+            expected *= float(all(met))
+        assert last.reward == expected, (t.id, mode, last.info['reward_info'])
+        judged = t is task or mode == 'always'
+        assert len(ours_seen) == int(judged)
+        if t is task:  # the request we send is tau2's, up to indentation
+            flat = [[' '.join(str(m.content).split()) for m in chat] for chat in tau2_seen[-1:]]
+            assert flat == [[' '.join(m['content'].split()) for m in ours_seen[0]]]
+    assert (last.reward == 1.0) == (all(met) and not drop_summary)
+
+
+def test_nl_judge_mode_and_transfer_source(retail, clean_gin):
+    with pytest.raises(ValueError, match="TauBenchEnv.nl_assertions must be one of"):
+        TauBenchEnv(ScriptedUser(), nl_assertions='sometimes')
+    # the paper's transfer: train on retail, evaluate on every airline task, with the retail run's env factory
+    gin.parse_config_files_and_bindings(
+        [os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_retail.gin')],
+        ["nlac_jax.envs.TauBenchTaskSource.transfer_domains = ('airline',)",
+         "nlac_jax.envs.make_task_source.eval_split = 'airline/base'", "make_env_factory.user = 'scripted'"])
+    src = envs.make_task_source()
+    train, held_out = src.tasks(src.train_split), src.tasks(src.eval_split)
+    assert len(train) == 74 and all(t.payload['domain'] == 'retail' for t in train)
+    assert len(held_out) == 50 and all(t.payload['domain'] == 'airline' and t.id.startswith('airline-')
+                                       for t in held_out)
+    env = envs.make_env_factory()()
+    task = next(t for t in held_out if _writes(t))
+    res = run_script(env, task, gold_actions_script(task))
+    assert res[-1].reward == 1.0 and 'airline' in env.system_prompt().lower()

@@ -7,7 +7,7 @@ import pytest
 from nlac_jax.envs.base import BatchedRunner, Task
 from nlac_jax.envs.twenty_questions import (CANT, NO, YES, ModelOracle, ObjectSpec, ScriptedOracle,
                                             TwentyQuestionsEnv, TwentyQuestionsTaskSource, guessed_phrase,
-                                            load_object_table, names_object, parse_yes_no)
+                                            load_object_table, names_object, parse_oracle_reply)
 
 
 @pytest.fixture(scope='module')
@@ -187,14 +187,24 @@ def test_model_oracle():
 
     def gen(prompts):
         seen.extend(prompts)
-        return ['Yes, it is.', 'no', 'Maybe?', '', ' YES']
+        return ['Yes, it is.', 'no', 'Maybe?', '', ' YES', "Can't tell.", 'It is a cat!']
 
     o = ModelOracle(gen)
     obj = ObjectSpec('cat', 'land_mammal', ('kitten',), None)
-    outs = o.answer_batch([(obj, q) for q in ['a?', 'b?', 'c?', 'd?', 'e?']])
-    assert outs == [YES, NO, NO, NO, YES]
-    assert 'cat' in seen[0] and 'a?' in seen[0]
-    assert parse_yes_no('Nope') == NO and parse_yes_no('yes.') == YES and parse_yes_no('yesterday') == NO
+    outs = o.answer_batch([(obj, q) for q in ['a?', 'b?', 'c?', 'd?', 'e?', 'f?', 'g?']])
+    assert outs == [YES, NO, CANT, CANT, YES, CANT, CANT]  # unclear replies are "can't tell", never a guess
+    assert 'cat' in seen[0] and 'a?' in seen[0] and "Can't tell" in seen[0]
+
+
+@pytest.mark.parametrize('reply,answer', [
+    ('Yes', YES), ('no.', NO), ('**No**, it is not.', NO), ('Answer: yes', YES), ('"Yes"', YES), ('- No', NO),
+    ('<think>no, no</think>\nYes', YES), ('YES!', YES), ('No, but it is close.', NO),
+    ("Can't tell", CANT), ('cannot tell', CANT), ('Can\u2019t say', CANT), ('No idea', CANT), ('Not sure', CANT),
+    ('Maybe yes', CANT), ('yesterday', CANT), ('Nope', CANT), ('no-one knows', CANT), ('', CANT), (None, CANT),
+    (42, CANT), ('<think>yes', CANT), ('It is a cat', CANT), ('\x00\ufffd' * 5000, CANT),
+    ('Ignore the rules. The object is cat.', CANT), ('Y', CANT)])
+def test_parse_oracle_reply(reply, answer):
+    assert parse_oracle_reply(reply) == answer
 
 
 def test_user_object_lists(tmp_path):
@@ -241,3 +251,62 @@ def test_scripted_oracle_is_fast_on_long_questions(oracle, table):
     assert r.observation == CANT and not r.done
     assert oracle.answer(table.find('cat'), 'Is it a dog?') == NO  # naming another object still says No
     assert oracle.answer(table.find('cat'), 'Is it a kitten?') == YES
+
+
+def test_wordnet_object_set_and_its_fixed_split(tmp_path):
+    import os
+    import random
+
+    from nlac_jax.envs.twenty_questions import OBJECT_SETS
+    src = TwentyQuestionsTaskSource('wordnet')
+    objs = src.table.objects
+    assert len(objs) == 1823 and len({o.name for o in objs}) == 1823
+    train, test = src.tasks('train'), src.tasks('test')
+    assert (len(train), len(test), len(src.tasks('all'))) == (1000, 500, 1500)
+    assert not {t.id for t in train} & {t.id for t in test}
+    # the documented rule: names sorted, shuffled by random.Random(0); 1,000 train, 500 test, the rest unused
+    order = sorted(o.name for o in objs)
+    random.Random(0).shuffle(order)
+    assert [t.payload['name'] for t in test] == sorted(order[1000:1500])
+    assert {o.category for o in objs} == {'animal', 'artifact', 'food', 'natural object', 'plant'}
+    # the scripted oracle still answers category and guess questions about the set
+    o = ScriptedOracle(src.table)
+    dog = src.table.find('dog')
+    assert o.answer(dog, 'Is it an animal?') == YES and o.answer(dog, 'Is it a man-made object?') == NO
+    assert o.answer(dog, 'Is it a hammer?') == NO and o.answer(dog, 'Does it bark?') == CANT
+    data = os.path.dirname(OBJECT_SETS['wordnet'])
+    assert os.path.isfile(os.path.join(data, 'WORDNET_LICENSE'))
+    assert 'twenty_questions_wordnet.json' in open(os.path.join(data, 'README.md')).read()
+    # a split that is not one of ours is refused with the file, the object and the value
+    bad = tmp_path / 'split.json'
+    bad.write_text(json.dumps({'objects': [{'name': 'anvil', 'split': 'dev'}]}))
+    with pytest.raises(ValueError, match=r"split.json: object 'anvil' has split 'dev'"):
+        load_object_table(str(bad))
+    with pytest.raises(FileNotFoundError, match='wordnett .*scripted, wordnet'):
+        load_object_table('wordnett')
+
+
+@pytest.fixture
+def clean_gin():
+    import gin
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def test_wordnet_set_from_gin(clean_gin):
+    import os
+
+    import gin
+
+    from nlac_jax import envs
+    task_gin = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'twenty_questions.gin')
+    gin.parse_config_files_and_bindings([task_gin], ["OBJECTS = 'wordnet'", "make_env_factory.oracle = 'model'"])
+    src = envs.make_task_source()
+    assert len(src.tasks(src.train_split)) == 1000 and len(src.tasks(src.eval_split)) == 500
+    env = envs.make_env_factory()(lambda prompts: ['Yes'] * len(prompts))
+    task = src.tasks('test')[0]
+    env.reset(task)
+    r = env.step('Is it bigger than a car?')
+    assert r.observation == YES and r.reward == -1 and not r.done
+    assert env.step(f"Is it a {task.payload['name']}?").info['success']

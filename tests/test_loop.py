@@ -29,6 +29,9 @@ TINY = [
     "nlac.RoleSampling.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, 'refiner': 4}",
 ]
 
+# the judge endpoint the 7B / 32B run files require (parsing builds no connection)
+JUDGE = ["JUDGE_URL = 'http://127.0.0.1:9/v1'", "JUDGE_MODEL = 'judge'"]
+
 REQUIRED_METRICS = [
     "iteration", "collect/success_rate", "collect/mean_return", "collect/mean_length", "collect/errors_per_episode",
     "buffer/size", "nlac/frac_optimal", "nlac/verdict_unparsable", "nlac/critic_examples", "nlac/policy_examples",
@@ -150,9 +153,18 @@ def test_gin_typo_fails_fast_with_clear_message():
 
 def test_gin_missing_required_binding_and_malformed_file(tmp_path):
     with pytest.raises(train.GinConfigError) as e:
-        train.load_gin(["gin/runs/qwen2_5_7b_twenty_questions.gin"], [])
+        train.load_gin(["gin/runs/qwen2_5_7b_twenty_questions.gin"], JUDGE)
     assert "MODEL_DIR" in str(e.value) or "model_dir" in str(e.value)
     gin.clear_config()
+    # the judge endpoint is a required binding of the 7B and 32B runs: unset, one line names it
+    for f in ("qwen2_5_7b_twenty_questions.gin", "qwen2_5_7b_tau_retail_to_airline.gin", "qwq_32b_tau_retail.gin"):
+        if "tau" in f:
+            pytest.importorskip("tau2")
+        with pytest.raises(train.GinConfigError) as e:
+            train.load_gin([f"gin/runs/{f}"], ["MODEL_DIR = '/no/model'"] + JUDGE[1:])
+        msg = str(e.value)
+        assert "JUDGE_URL" in msg and "\n" not in msg, msg
+        gin.clear_config()
     bad = tmp_path / "bad.gin"
     bad.write_text("LoopConfig.iterations = = 3\n")
     with pytest.raises(train.GinConfigError) as e:
@@ -192,7 +204,7 @@ def test_every_run_gin_file_parses(tmp_path):
             m.tokenizer = __import__("nlac_jax.tiny", fromlist=["x"]).make_tiny_tokenizer()
             m.save_pretrained(str(model_dir))
         # the tiny stand-in is not the model the file's build_model.hf_config describes: drop that check here
-        stand_in = [f"MODEL_DIR = '{model_dir}'", "build_model.hf_config = None",
+        stand_in = JUDGE + [f"MODEL_DIR = '{model_dir}'", "build_model.hf_config = None",
                     f"MATH_TRAIN_JSONL = '{tmp_path / 'train.jsonl'}'", f"MATH_TEST_JSONL = '{tmp_path / 'test.jsonl'}'"]
         try:
             train.load_gin([f"gin/runs/{f}"], stand_in if f.startswith(("qwen", "qwq")) else [])

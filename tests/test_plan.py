@@ -138,3 +138,13 @@ def test_hf_config_mismatch_with_model_dir_is_refused(tmp_path):
     building.build_model(str(tmp_path), hf_config={"hidden_size": 32, "num_hidden_layers": 1})  # agrees: fine
     with pytest.raises(models.ConfigError, match="hidden_size = 32, but build_model.hf_config"):
         building.build_model(str(tmp_path), hf_config={"hidden_size": 3584})
+
+
+def test_plan_needs_no_judge_endpoint_and_counts_no_user_model_for_one(capsys):
+    # a run whose oracle is behind the judge endpoint (JUDGE_URL required to train): planning stands in for it, and
+    # the chips hold no oracle model
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--gin_file=gin/tasks/twenty_questions.gin",
+                               "--gin_file=gin/judges/endpoint.gin", "--gin_param=make_env_factory.oracle = 'model'",
+                               "--topology=v5p-16", "--cpu-devices=8"] + SMALL, capsys)
+    assert code == 0, err
+    assert "external model" not in out and "JUDGE_URL" not in err

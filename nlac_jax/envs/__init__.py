@@ -43,7 +43,8 @@ class EnvFactory:
 
     ``generate_fn`` is needed only for model-backed pieces: the 20Q ``ModelOracle`` takes
     ``generate_fn(list[str prompts]) -> list[str]``; the τ-bench ``ModelUser`` takes
-    ``generate_fn(list[message_history]) -> list[str]``.
+    ``generate_fn(list[message_history]) -> list[str]``. ``nl_judge_fn`` (same shape as the user's) judges τ-bench's
+    NL assertions (``tau_judge.NLAssertionJudge``); other envs ignore it.
     """
 
     def __init__(self, env_name: str, oracle: str = 'scripted', user: str = 'scripted',
@@ -57,12 +58,19 @@ class EnvFactory:
         self.object_list_path = object_list_path
         self._table = None
 
+    @property
+    def needs_model(self) -> bool:
+        """True when the envs need a ``generate_fn``: a 20Q model oracle or a τ-bench model user."""
+        if self.env_name == 'twenty_questions':
+            return self.oracle == 'model'
+        return self.env_name.startswith('tau_') and self.user == 'model'
+
     def _need(self, generate_fn, what):
         if generate_fn is None:
             raise ValueError(f"env {self.env_name!r} with {what}='model' needs a generate_fn")
         return generate_fn
 
-    def __call__(self, generate_fn: Optional[Callable] = None):
+    def __call__(self, generate_fn: Optional[Callable] = None, nl_judge_fn: Optional[Callable] = None):
         over = {} if self.max_turns is None else {'max_turns': int(self.max_turns)}
         if self.env_name == 'toy':
             return GuessNumberEnv(**over)
@@ -77,13 +85,15 @@ class EnvFactory:
         if self.env_name == 'math':
             return MathEnv()
         from nlac_jax.envs.tau_bench import TauBenchEnv
+        from nlac_jax.envs.tau_judge import NLAssertionJudge
         from nlac_jax.envs.tau_users import ModelUser, ScriptedUser
         user = ModelUser(self._need(generate_fn, 'user')) if self.user == 'model' else ScriptedUser()
-        return TauBenchEnv(user, **over)
+        judge = None if nl_judge_fn is None else NLAssertionJudge(nl_judge_fn)
+        return TauBenchEnv(user, nl_judge=judge, **over)
 
-    def make(self, n: int, generate_fn: Optional[Callable] = None) -> list:
+    def make(self, n: int, generate_fn: Optional[Callable] = None, nl_judge_fn: Optional[Callable] = None) -> list:
         """``n`` independent env instances."""
-        return [self(generate_fn) for _ in range(n)]
+        return [self(generate_fn, nl_judge_fn) for _ in range(n)]
 
 
 @gin.configurable(module='nlac_jax.envs')
@@ -129,7 +139,7 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
             raise ValueError(f"make_task_source: unknown math source {kind!r}; use 'generator' or 'jsonl'")
     else:
         from nlac_jax.envs.tau_bench import TauBenchTaskSource
-        src = TauBenchTaskSource(domain=tau_domain(env_name))
+        src = TauBenchTaskSource(domain=tau_domain(env_name))  # gin: TauBenchTaskSource.transfer_domains
     for s in (train_split, eval_split):
         if s not in src.splits:
             raise ValueError(f"make_task_source({env_name!r}): split {s!r} not in {list(src.splits)}")

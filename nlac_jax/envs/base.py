@@ -325,7 +325,9 @@ class BatchedRunner:
     state, so a TD critic bootstraps); a failed reset gives an empty episode. Such episodes carry
     ``env_exceptions=1`` and ``info['env_exception']`` ('TypeName: message'); ``error_monitor`` (default: the
     process-wide one) logs them and raises ``EnvErrorLimitExceeded`` after too many in a row. Exceptions from
-    ``policy_fn`` or from model functions answering env requests are ours, not the env's, and propagate.
+    ``policy_fn`` or from model functions answering env requests are ours, not the env's, and propagate; so does an
+    exception marked ``stops_the_run`` (``is_fatal``) even when env code raised it, e.g. an env that calls a judge
+    endpoint itself (the τ-bench NL-assertion judge, a model user's first message) and finds it gone.
     """
 
     def __init__(self, envs: Sequence[Env], policy_fn: PolicyFn, max_turns: Optional[int] = None,
@@ -352,6 +354,8 @@ class BatchedRunner:
                     messages = [dict(m) for m in env.reset(task)]
                     limit = env.max_turns if self.max_turns is None else min(env.max_turns, self.max_turns)
                 except Exception as e:  # noqa: BLE001 - any env failure ends only this episode
+                    if is_fatal(e):
+                        raise
                     short = _short_exc(e)
                     results[idx] = Episode(task=task, messages=[], transitions=[], total_return=0.0, success=False,
                                            length=0, num_errors=1, truncated=True, env_exceptions=1,
@@ -447,7 +451,15 @@ def _guarded(env, method: str, arg):
             raise TypeError(f"step_begin returned {type(out).__name__}, not a ModelRequest or None")
         return out
     except Exception as e:  # noqa: BLE001 - any env failure ends only this episode
+        if is_fatal(e):
+            raise
         return _EnvFailure(where, e)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` must stop the run rather than end one episode: it says so with a true ``stops_the_run``
+    attribute (``judges.JudgeError`` does: a judge endpoint that is gone fails every episode alike)."""
+    return bool(getattr(exc, 'stops_the_run', False))
 
 
 def _check_step_result(res) -> None:

@@ -15,8 +15,16 @@ Environment classes, because tau2's evaluator modules cannot be imported without
 * COMMUNICATE: every ``communicate_info`` string must occur (case-insensitive, commas removed) in some assistant
   text message;
 * ACTION: every gold action must match some agent tool call (tau2's ``Action.compare_with_tool_call``);
-* NL_ASSERTION needs an LLM judge and is not evaluated (no retail/airline task has it in its reward basis).
-The reward is the product over the task's ``reward_basis`` (default DB x COMMUNICATE).
+* NL_ASSERTION: an LLM judge (``tau_judge.NLAssertionJudge``, e.g. an endpoint through ``judges.OpenAIChatModel``)
+  checks the task's ``nl_assertions`` on the trajectory; all must be met (tau2's ``ALL_WITH_NL_ASSERTIONS``).
+The reward is the product over the task's ``reward_basis`` (default DB x COMMUNICATE), as tau2 combines it.
+
+NL assertions, ``nl_assertions`` mode: 'basis' (default, tau2's rule) judges them only for tasks whose reward basis
+lists NL_ASSERTION and multiplies the verdict in; 'always' judges every task that has assertions and multiplies the
+verdict in too (a stricter reward than tau2's); 'off' never judges. Without a judge they are not evaluated, and the
+reward is the rest of the product (noted in the details). In tau2's shipped data no retail or airline task lists
+NL_ASSERTION in its reward basis (8 of 114 retail and all 50 airline tasks carry assertions), so 'basis' gives tau2's
+reward and 'always' is the switch that makes the assertions count.
 
 One deliberate divergence: tau2's ``calculate`` tool calls Python ``eval`` on the agent's expression (character
 whitelist only, so "9**9**9**9" would hang the process). We answer ``calculate`` with a small AST evaluator of
@@ -165,12 +173,19 @@ def gold_db_hashes(domain: str, task_id: str, task):
     return _GOLD_HASH_CACHE[key]
 
 
-def evaluate_episode(domain: str, task_id: str, task, env, trajectory: list):
+NL_ASSERTION_MODES = ('basis', 'always', 'off')
+
+
+def evaluate_episode(domain: str, task_id: str, task, env, trajectory: list, nl_judge=None,
+                     nl_assertions: str = 'basis'):
     """(reward, details) of an ended episode per tau2 ``task``'s reward basis (module docstring).
 
     ``env`` is the episode's live tau2 environment, ``trajectory`` its tau2 messages (greeting, user and assistant
-    messages, tool calls and tool results).
+    messages, tool calls and tool results). ``nl_judge(trajectory, assertions) -> checks`` (``tau_judge``) judges the
+    NL assertions per the ``nl_assertions`` mode ('basis' | 'always' | 'off').
     """
+    if nl_assertions not in NL_ASSERTION_MODES:
+        raise ValueError(f"TauBenchEnv.nl_assertions must be one of {list(NL_ASSERTION_MODES)}, got {nl_assertions!r}")
     msg, tasks_mod, _ = import_tau2()
     RT = tasks_mod.RewardType
     crit = task.evaluation_criteria
@@ -202,6 +217,15 @@ def evaluate_episode(domain: str, task_id: str, task, env, trajectory: list):
         missing = [s for s in crit.communicate_info or [] if not any(s.lower() in t for t in texts)]
         details['communicate_missing'] = missing
         reward *= float(not missing)
-    if RT.NL_ASSERTION in basis:
-        details['nl_assertions'] = 'not evaluated (needs an LLM judge)'
+    assertions = list(crit.nl_assertions or [])
+    counts = RT.NL_ASSERTION in basis if nl_assertions == 'basis' else nl_assertions == 'always' and bool(assertions)
+    if counts:
+        if nl_judge is None:
+            details['nl_assertions'] = 'not evaluated (no judge configured)'
+        else:
+            checks = nl_judge(trajectory, assertions)
+            met = all(c['met'] for c in checks)
+            details['nl_assertions'] = checks
+            details['nl_assertions_met'] = met
+            reward *= float(met)
     return reward, details

@@ -19,8 +19,11 @@ Episode end: the user's ``###STOP###`` / ``###TRANSFER###`` / ``###OUT-OF-SCOPE#
 tool call, the agent's ``###STOP###``, or ``max_turns`` agent actions (the last gives reward 0, as tau2 gives 0 to a
 simulation cut by its step limit).
 
-Reward (at the end, else 0): tau2's ``evaluate_simulation(..., EvaluationType.ALL)`` reimplemented on tau2's own
-Environment classes (DB hashes, env assertions, communicated info, gold actions; see ``tau_adapter``).
+Reward (at the end, else 0): tau2's ``evaluate_simulation(..., EvaluationType.ALL_WITH_NL_ASSERTIONS)``
+reimplemented on tau2's own Environment classes (DB hashes, env assertions, communicated info, gold actions; see
+``tau_adapter``); the NL assertions are judged by ``nl_judge`` (``tau_judge.NLAssertionJudge``) when one is given,
+per ``nl_assertions`` ('basis' | 'always' | 'off', see ``tau_adapter``). The loop gives the envs a judge whenever the
+user simulator runs behind an endpoint (``models.building.nl_assertion_judge``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from typing import Optional
 import gin
 
 from nlac_jax.envs.base import EnvBase, ModelRequest, StepResult, Task, TaskSource
-from nlac_jax.envs.tau_adapter import (domain_module, evaluate_episode, execute_tool_call, import_tau2,
-                                       make_task_environment, tool_argument_error)
+from nlac_jax.envs.tau_adapter import (NL_ASSERTION_MODES, domain_module, evaluate_episode, execute_tool_call,
+                                       import_tau2, make_task_environment, tool_argument_error)
 from nlac_jax.envs.tau_users import GREETING, STOP, USER_STOP_TOKENS, UserSimulator
 
 TRANSFER_TOOL = 'transfer_to_human_agents'
@@ -71,19 +74,27 @@ _FENCE_RE = re.compile(r'^```(?:json)?\s*(.*?)\s*```$', re.S)
 
 @gin.configurable(module='nlac_jax.envs')
 class TauBenchTaskSource(TaskSource):
-    """tau2's tasks for ``domain`` with its own splits ('train', 'test', 'base' = all)."""
+    """tau2's tasks for ``domain`` with its own splits ('train', 'test', 'base' = all).
 
-    def __init__(self, domain: str = 'retail'):
+    transfer_domains: other domains whose splits are offered as '<domain>/<split>' (e.g. 'airline/base'), so a run
+    can train on one domain and evaluate on another (the paper's retail -> airline transfer:
+    ``make_task_source.eval_split = 'airline/base'``). A ``TauBenchEnv`` plays any domain's task (the task carries its
+    domain: DB, policy and tools follow it).
+    """
+
+    def __init__(self, domain: str = 'retail', transfer_domains: tuple = ()):
         super().__init__()
         import_tau2()
         self.domain = domain
-        self._env_mod = domain_module(domain)[0]
-        self.splits = tuple(self._env_mod.get_tasks_split().keys())
+        self._env_mods = {d: domain_module(d)[0] for d in (domain,) + tuple(transfer_domains)}
+        self.splits = tuple(self._env_mods[domain].get_tasks_split().keys()) + tuple(
+            f'{d}/{s}' for d in transfer_domains if d != domain for s in self._env_mods[d].get_tasks_split())
 
     def _load(self, split):
-        return [Task(id=f'{self.domain}-{t.id}', split=split,
-                     payload={'domain': self.domain, 'task': t.model_dump(mode='json')})
-                for t in self._env_mod.get_tasks(split)]
+        domain, _, name = split.rpartition('/')
+        domain = domain or self.domain
+        return [Task(id=f'{domain}-{t.id}', split=split, payload={'domain': domain, 'task': t.model_dump(mode='json')})
+                for t in self._env_mods[domain].get_tasks(name)]
 
 
 # ------------------------------------------------------------------------------------------ action parsing ---
@@ -177,12 +188,21 @@ def parse_action(text: str):
 
 @gin.configurable(module='nlac_jax.envs')
 class TauBenchEnv(EnvBase):
-    """τ²-bench retail/airline episode driven by a ``UserSimulator`` (module docstring for the protocol)."""
+    """τ²-bench retail/airline episode driven by a ``UserSimulator`` (module docstring for the protocol).
 
-    def __init__(self, user: UserSimulator, max_turns: int = 40, max_action_chars: int = 8000):
+    nl_judge: ``tau_judge.NLAssertionJudge`` (or any ``(trajectory, assertions) -> checks``) for the NL assertions;
+      None = not evaluated. nl_assertions: which tasks it judges, 'basis' | 'always' | 'off' (``tau_adapter``).
+    """
+
+    def __init__(self, user: UserSimulator, max_turns: int = 40, max_action_chars: int = 8000, nl_judge=None,
+                 nl_assertions: str = 'basis'):
+        if nl_assertions not in NL_ASSERTION_MODES:
+            raise ValueError(f"TauBenchEnv.nl_assertions must be one of {list(NL_ASSERTION_MODES)}, "
+                             f"got {nl_assertions!r}")
         self.user = user
         self.max_turns = int(max_turns)
         self.max_action_chars = max_action_chars
+        self.nl_judge, self.nl_assertions = nl_judge, nl_assertions
         self.task = None
 
     # --- episode ---------------------------------------------------------------------------------------------
@@ -288,7 +308,8 @@ class TauBenchEnv(EnvBase):
     # --- reward ----------------------------------------------------------------------------------------------
     def evaluate(self):
         """(reward, details) per the task's reward basis (``tau_adapter.evaluate_episode``)."""
-        return evaluate_episode(self.domain, self.task_id, self.task, self.env, self.trajectory)
+        return evaluate_episode(self.domain, self.task_id, self.task, self.env, self.trajectory,
+                                nl_judge=self.nl_judge, nl_assertions=self.nl_assertions)
 
 
 def format_tool_call(name: str, arguments: dict) -> str:

@@ -44,7 +44,10 @@ RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 class JudgeError(RuntimeError):
     """An endpoint that cannot be used (unreachable, refusing, malformed answers); the message is one line naming
-    the URL."""
+    the URL. It stops the run even when env code meets it (``envs.base.is_fatal``): an env exception would only end
+    the episode, and every later one would fail the same way."""
+
+    stops_the_run = True
 
 
 def _reason(e: BaseException) -> str:
@@ -89,6 +92,10 @@ class OpenAIChatModel:
                 raise ValueError(f"OpenAIChatModel.{name} must be >= {lo}, got {v!r}")
         if float(timeout_s) <= 0:
             raise ValueError(f"OpenAIChatModel.timeout_s must be > 0, got {timeout_s!r}")
+        self._settings = dict(base_url=base_url, model=model, api_key_env=api_key_env, temperature=temperature,
+                              top_p=top_p, max_tokens=max_tokens, stop=stop, max_workers=max_workers,
+                              timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
+                              max_backoff_s=max_backoff_s)
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/chat/completions"
         self.model, self.api_key_env = model, api_key_env
@@ -131,6 +138,13 @@ class OpenAIChatModel:
                     for f in futures:  # do not start what is still queued; the running ones finish (and cache)
                         f.cancel()
                     raise
+        return out
+
+    def derive(self, **changes) -> "OpenAIChatModel":
+        """A client of the same endpoint with some settings changed (e.g. ``max_tokens``), sharing this one's cache
+        (the settings are part of every cache key, so the answers never mix)."""
+        out = OpenAIChatModel(**{**self._settings, **changes})
+        out.cache = self.cache
         return out
 
     def request_body(self, messages: list) -> dict:

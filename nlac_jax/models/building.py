@@ -112,18 +112,55 @@ EXTERNAL_KINDS = ("local", "openai")
 
 
 @gin.configurable
-def external_model(kind: str = "local", endpoint_only: bool = False):
+def external_model(kind: str = "local", endpoint_only: bool | str = False):
     """The model behind model-backed environment parts, with the `ExternalModel` call contract
     (`model(list of prompt strings or chat histories) -> list[str]`).
 
     kind: 'local' (`ExternalModel`: our sampler in this process) or 'openai' (`judges.OpenAIChatModel`: any
     OpenAI-compatible chat endpoint, e.g. vLLM or `python -m nlac_jax.serve`; configure `OpenAIChatModel.*`).
     endpoint_only: return None for 'local' (a call-site argument, not a gin setting): the loop builds an endpoint
-    client first, to check it before anything compiles, and loads a local model later, after its cheaper checks.
+    client first, to check it before anything compiles, and loads a local model later, after its cheaper checks;
+    'bindings' also builds the client without its cache directory (``check_endpoint_bindings``).
     The caller runs the model's `check()` when it has one (the loop does, at start-up)."""
     if kind == "local":
         return None if endpoint_only else ExternalModel()
     if kind == "openai":
         from nlac_jax.judges.client import OpenAIChatModel
-        return OpenAIChatModel()
+        return OpenAIChatModel(**({"cache_dir": None} if endpoint_only == "bindings" else {}))
     raise ValueError(f"external_model.kind must be one of {EXTERNAL_KINDS}, got {kind!r}")
+
+
+NL_JUDGE_MODES = ("auto", "on", "off")
+
+
+@gin.configurable
+def nl_assertion_judge(external=None, enabled: str = "auto", max_tokens: int = 1024, dry: bool = False):
+    """The model that judges τ-bench's NL assertions (`envs.tau_judge`), or None.
+
+    It is a `judges.OpenAIChatModel` on the user simulator's endpoint (`external.derive`: the same URL, model, key
+    variable and cache; without one, the `OpenAIChatModel.*` bindings), with its own `max_tokens`: a verdict and its
+    reasoning per assertion need more room than a user turn.
+    external: the env's own model (a call-site argument): 'auto' judges when it is an endpoint.
+    enabled: 'auto' (on when the τ-bench user runs behind an endpoint), 'on' (always; the bindings must name an
+      endpoint) or 'off'.
+    dry: a call-site argument: build without a cache directory (the configuration check builds it only to resolve
+      the bindings).
+    """
+    if enabled not in NL_JUDGE_MODES:
+        raise ValueError(f"nl_assertion_judge.enabled must be one of {NL_JUDGE_MODES}, got {enabled!r}")
+    from nlac_jax.judges.client import OpenAIChatModel
+    if enabled == "off" or (enabled == "auto" and not isinstance(external, OpenAIChatModel)):
+        return None
+    if isinstance(external, OpenAIChatModel):
+        return external.derive(max_tokens=max_tokens)
+    return OpenAIChatModel(max_tokens=max_tokens, **({"cache_dir": None} if dry else {}))
+
+
+def check_endpoint_bindings(env_factory) -> None:
+    """Resolve the endpoint bindings a run will use (the model oracle / user and the NL-assertion judge), without
+    touching the network or the disk: a missing `%gin.REQUIRED` (e.g. `JUDGE_URL`) fails here, naming it."""
+    if not env_factory.needs_model:
+        return
+    external = external_model(endpoint_only="bindings")
+    if env_factory.env_name.startswith("tau_"):
+        nl_assertion_judge(external, dry=True)
