@@ -87,7 +87,8 @@ def child_jax(a, dtype: str) -> dict:
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     opt = training.make_optimizer(training.make_schedule(1e-4), weight_decay=0.01, clip_norm=1.0)
     state = training.create_train_state(cfg, mesh, opt, seed=0)
-    step = training.make_train_step(cfg, mesh, opt, loss_chunk=a.loss_chunk, num_microbatches=a.microbatches)
+    step = training.make_train_step(cfg, mesh, opt, loss_chunk=a.loss_chunk, num_microbatches=a.microbatches,
+                                    loss_positions=a.loss_positions)
     batch = step.prepare_batch(make_batch(a))
     batch = jax.device_put(batch, step.batch_shardings)
     t = time.perf_counter()
@@ -128,9 +129,15 @@ def child_torch(a, dtype: str) -> dict:
     labels = ids.clone()
     labels[:, :a.prompt] = -100
 
+    target = labels[:, 1:] != -100  # position t-1 predicts token t
+
     def one():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+            if a.loss_positions:  # the same saving as ours: the LM head on target positions only
+                hidden = model.model(input_ids=ids, attention_mask=am).last_hidden_state[:, :-1][target]
+                loss = torch.nn.functional.cross_entropy(model.lm_head(hidden).float(), labels[:, 1:][target])
+            else:
+                loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -192,6 +199,9 @@ def parse(argv=None):
     ap.add_argument("--configs", default="jax-bf16,jax-f32,torch-f32")
     ap.add_argument("--loss-chunk", type=int, default=0, help="make_train_step.loss_chunk")
     ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--loss-positions", type=int, default=0,
+                    help="K > 0: the LM head on target positions only (ours: make_train_step.loss_positions=K; "
+                         "PyTorch: the head on the target rows of the hidden states)")
     ap.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     ap.add_argument("--scan", action="store_true",
                     help="scanned layers (cfg.scan_layers=True); default unrolled: on XLA:CPU the scan's stacked "
@@ -228,6 +238,9 @@ def main(argv=None):
     print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{a.kv_heads} kv, mlp {a.mlp}, vocab {a.vocab}"
           f" (untied) = {num_params(a) / 1e6:.1f}M params; batch {a.batch} x seq {a.seq} ({tokens} tokens/step, "
           f"loss on {a.seq - a.prompt}/{a.seq} positions); {fpt / 1e6:.1f} MFLOP/token", flush=True)
+    if a.loss_positions:
+        print(f"--loss-positions {a.loss_positions}: both sides run the LM head on target positions only; GFLOP/s "
+              f"and MFU still count it at every position (the same work as without the flag)", flush=True)
     peaks = run_child(fwd + ["--child", "peaks"], a.malloc_tuning)
     print(f"matmul peak ({a.peak_n}^3, best of {a.peak_reps}): float32 {peaks['f32']:.0f} GFLOP/s, "
           f"bfloat16 (f32 accumulation) {peaks['bf16']:.0f} GFLOP/s", flush=True)

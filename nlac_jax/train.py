@@ -148,12 +148,24 @@ class _DropGinRecords(logging.Filter):
 
 def enable_compilation_cache(directory: str) -> None:
     """Persistent XLA cache: a resumed run or a repeated demo skips most compilation (the keys hash the HLO,
-    devices and options, so entries are never stale)."""
+    devices and options, so entries are never stale). Off for a multi-process run on CPU, whatever the flag or
+    JAX_COMPILATION_CACHE_DIR say: only process 0 writes the cache, and an XLA:CPU executable of a multi-process
+    computation is not portable between processes, so a process that compiled later than process 0 loaded its
+    executable and joined the wrong collectives (a hang, seen as 'sync_global_devices name mismatch')."""
     import jax
+    if jax_multi_process_cpu():
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or not directory:
         return
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def jax_multi_process_cpu() -> bool:
+    """Several JAX processes on CPU devices (the tests' and a CPU cluster's multi-process runs)."""
+    import jax
+    return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
 
 
 def default_workdir(gin_files) -> str:
@@ -181,10 +193,10 @@ def main(argv=None) -> int:
     setup_logging()
     from nlac_jax import distributed  # before anything touches the devices (load_gin builds the mesh)
     distributed.initialize(requested=flags.multihost)
+    enable_compilation_cache(flags.compilation_cache)  # before load_gin compiles anything
     load_gin(flags.gin_file, flags.gin_param)
     workdir = flags.workdir or default_workdir(flags.gin_file)
     check_writable_dir(workdir)
-    enable_compilation_cache(flags.compilation_cache)
     from nlac_jax import loop
     loop.run(workdir)
     return 0

@@ -171,6 +171,26 @@ def test_chunked_logits_equal_full_logits():
     np.testing.assert_allclose(g(hidden, 4), g(hidden, 0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_name", ["1dev", "dp2_fsdp2_tp2"])
+def test_lm_head_on_target_positions_only_equals_every_position(mesh_name):
+    """make_train_step.loss_positions=K: the LM head runs on each row's first K targets only. With K = the largest
+    row's target count (the gathered path) and K one less (a row too long: every position), losses equal the
+    hand-computed NLL and grads equal the every-position step's."""
+    batch = make_batch(5)
+    most = int(batch["loss_mask"][:, 1:].sum(axis=1).max())
+    assert 1 < most < T - 1
+    ref = reference_losses(init_params(), batch, "token")
+    _, g_all, _ = grad_fn(mesh_name)(init_params(), batch)
+    for k in (most, most - 1, T):
+        fn = training.make_grad_fn(CFG, mesh(mesh_name), loss_chunk=CHUNKS[mesh_name], loss_positions=k)
+        loss, grads, info = fn(init_params(), batch)
+        assert float(info["l1"]) == pytest.approx(ref["l1"], rel=1e-5) and \
+            float(info["l2"]) == pytest.approx(ref["l2"], rel=1e-5), k
+        assert_trees_close(host(grads), host(g_all), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="loss_positions=-1"):
+        training.make_train_step(CFG, mesh("1dev"), optimizer(), loss_positions=-1)
+
+
 def test_same_loss_grads_and_update_on_every_mesh():
     batch = make_batch(3)
     results = {}

@@ -99,6 +99,31 @@ def token_nll(cfg: ModelConfig, hidden: jax.Array, params: dict, labels: jax.Arr
     return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
 
 
+def target_position_losses(cfg: ModelConfig, hidden: jax.Array, params: dict, labels: jax.Array, coef: jax.Array,
+                           positions: int, *, chunk: int = 0) -> jax.Array:
+    """[L1, L2] as `weighted_losses(token_nll(...), coef)`, with the LM head run only where coef [2, B, T] is non-zero:
+    each row's first K = `positions` target positions are gathered (hidden [B, K, E], labels [B, K]; the gather stays
+    within a row, so a batch-sharded hidden needs no communication). A batch with a row of more than K targets takes
+    the every-position path instead (`lax.cond`), so no target is ever dropped."""
+    B, T, _ = hidden.shape
+    K = min(int(positions), T)
+    is_target = jnp.any(coef != 0, axis=0)  # [B, T]
+    per_row = jnp.sum(is_target, axis=1)
+
+    def gathered(_):
+        idx = jax.vmap(lambda m: jnp.nonzero(m, size=K, fill_value=0)[0])(is_target)  # [B, K]
+        valid = jnp.arange(K)[None, :] < per_row[:, None]
+        h = jnp.take_along_axis(hidden, idx[..., None], axis=1)
+        nll = token_nll(cfg, h, params, jnp.take_along_axis(labels, idx, axis=1), chunk=chunk)
+        c = jnp.take_along_axis(coef, jnp.broadcast_to(idx[None], (2, B, K)), axis=2)
+        return weighted_losses(nll, jnp.where(valid[None], c, 0.0))
+
+    def every(_):
+        return weighted_losses(token_nll(cfg, hidden, params, labels, chunk=chunk), coef)
+
+    return jax.lax.cond(jnp.max(per_row) <= K, gathered, every, None)
+
+
 def weighted_losses(nll: jax.Array, coef: jax.Array) -> jax.Array:
     """[L1, L2] = Σ_{b,t} coef[k] · nll; positions with coefficient 0 contribute exactly 0 (even if nll is NaN)."""
     safe = jnp.where(coef != 0, nll[None], 0.0)

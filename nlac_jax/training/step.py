@@ -50,6 +50,7 @@ class StepConfig:
     normalisation: str = "token"
     num_microbatches: int = 1
     loss_chunk: int = 0
+    loss_positions: int = 0
     ema_decay: float = 0.99
     max_consecutive_skips: int = 10
 
@@ -59,8 +60,12 @@ def _microbatch_loss(params, mb, cfg: ModelConfig, sc: StepConfig):
     """Σ coef·nll over one micro-batch: (total, [L1 part, L2 part])."""
     hidden, _ = CausalLM(cfg).apply({"params": params}, mb["input_ids"], mb["positions"], mb["attention_mask"],
                                     return_hidden=True)
-    nll = loss_lib.token_nll(cfg, hidden, params, mb["labels"], chunk=sc.loss_chunk)
-    parts = loss_lib.weighted_losses(nll, mb["coef"])
+    if sc.loss_positions:
+        parts = loss_lib.target_position_losses(cfg, hidden, params, mb["labels"], mb["coef"], sc.loss_positions,
+                                                chunk=sc.loss_chunk)
+    else:
+        parts = loss_lib.weighted_losses(loss_lib.token_nll(cfg, hidden, params, mb["labels"], chunk=sc.loss_chunk),
+                                         mb["coef"])
     return sc.critic_weight * parts[0] + sc.policy_weight * parts[1], parts
 
 
@@ -264,8 +269,8 @@ class TrainStep:
 @gin.configurable
 def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, *, critic_weight: float = 1.0,
                     policy_weight: float = 1.0, normalisation: str = "token", num_microbatches: int = 1,
-                    loss_chunk: int = 0, ema_decay: float = 0.99, max_consecutive_skips: int = 10,
-                    rules=None) -> TrainStep:
+                    loss_chunk: int = 0, loss_positions: int = 0, ema_decay: float = 0.99,
+                    max_consecutive_skips: int = 10, rules=None) -> TrainStep:
     """The jitted, sharded NLAC train step for model `cfg` on `mesh`.
 
     critic_weight, policy_weight: total = critic_weight·L1 + policy_weight·L2.
@@ -274,6 +279,9 @@ def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, 
       one big batch because the per-token loss coefficients are computed from the whole batch first.
     loss_chunk: sequence positions per logits chunk (0 = all at once); bounds the float32 logits to
       [B/num_microbatches, loss_chunk, vocab].
+    loss_positions: K > 0 runs the LM head only on each row's first K target positions (NLAC targets are short next
+      to their prompts: the head over prompt tokens is wasted work), falling back to every position for a batch
+      with a row of more than K targets (`lax.cond`); the loss is the same either way (0 = every position).
     ema_decay: τ of the target update θ̄ ← τ·θ̄ + (1−τ)·θ, applied after every applied optimiser update.
     max_consecutive_skips: raise NonFiniteError after this many skipped (non-finite) updates in a row (0 = never).
     Compute dtype and remat come from cfg (cfg.dtype, cfg.remat); master weights are float32.
@@ -282,17 +290,20 @@ def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, 
         raise ValueError(f"make_train_step.normalisation={normalisation!r}: expected {loss_lib.NORMALISATIONS}")
     if not 0.0 <= ema_decay <= 1.0:
         raise ValueError(f"make_train_step.ema_decay={ema_decay}: expected 0 <= τ <= 1")
+    if loss_positions < 0:
+        raise ValueError(f"make_train_step.loss_positions={loss_positions}: expected >= 0 (0 = every position)")
     sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
-                    num_microbatches=num_microbatches, loss_chunk=loss_chunk, ema_decay=ema_decay,
-                    max_consecutive_skips=max_consecutive_skips)
+                    num_microbatches=num_microbatches, loss_chunk=loss_chunk, loss_positions=loss_positions,
+                    ema_decay=ema_decay, max_consecutive_skips=max_consecutive_skips)
     return TrainStep(cfg, mesh, optimizer if optimizer is not None else make_optimizer(), sc, rules)
 
 
 def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_weight: float = 1.0,
-                 normalisation: str = "token", num_microbatches: int = 1, loss_chunk: int = 0, rules=None):
+                 normalisation: str = "token", num_microbatches: int = 1, loss_chunk: int = 0,
+                 loss_positions: int = 0, rules=None):
     """Jitted `(params, batch) -> (loss, grads, info)` with the step's exact loss (tests, diagnostics)."""
     sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
-                    num_microbatches=num_microbatches, loss_chunk=loss_chunk)
+                    num_microbatches=num_microbatches, loss_chunk=loss_chunk, loss_positions=loss_positions)
     ps = models.param_shardings(cfg, mesh, rules)
     bs = sharding.batch_shardings(mesh, rules)
     jitted = jax.jit(lambda p, b: loss_and_grads(p, b, cfg, sc, ps), in_shardings=(ps, bs),
