@@ -141,7 +141,8 @@ def decode_impl(cfg: ModelConfig, params, st: DecodeState, ctl) -> DecodeState:
 # calls, so no row idles until the longest one ends. Every row has its own cache index (models.decoder.write_slots).
 # Two executables serve a whole call whatever the number of prompts: `refill` (prefill R prompts straight into R
 # free slots) and `decode`. Once no prompt waits, `compact` moves the rows still running into a batch half as large
-# (or smaller), so the drain at the end of a call does not decode idle rows.
+# (one halving at a time, up to the Sampler's compact_levels), so the drain at the end of a call does not decode
+# idle rows.
 
 
 def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket: int) -> DecodeState:
