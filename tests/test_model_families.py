@@ -41,6 +41,11 @@ def test_logits_parity(tmp_path, name, family, overrides):
         ours = np.asarray(m.logits(ids, mask))
         diff = np.abs(ref - ours)[mask.astype(bool)].max()
         assert diff <= TOL, f"{name} lens={lens} left={left}: max abs diff {diff}"
+        # causal query blocks of 3 (sliding windows and soft-caps inside blocks, a ragged last block)
+        blocked = np.asarray(models.forward(m.config.replace(attn_query_block=3), m.params, jnp.asarray(ids),
+                                            jnp.asarray(mask)))
+        diff = np.abs(ref - blocked)[mask.astype(bool)].max()
+        assert diff <= TOL, f"{name} lens={lens} left={left}, attn_query_block=3: max abs diff {diff}"
 
 
 def test_family_options_reach_the_model(tmp_path):

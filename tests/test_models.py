@@ -41,6 +41,11 @@ def test_logits_parity(tmp_path, name, family, overrides):
         diff = np.abs(ref - ours)[mask.astype(bool)].max()
         assert diff <= TOL, f"{name} lens={lens}: max abs diff {diff}"
         assert np.isfinite(ours).all()
+        # causal query blocks of 4 (a ragged last block at odd lengths) against the same reference
+        blocked = np.asarray(models.forward(m.config.replace(attn_query_block=4), m.params, jnp.asarray(ids),
+                                            jnp.asarray(mask)))
+        diff = np.abs(ref - blocked)[mask.astype(bool)].max()
+        assert diff <= TOL, f"{name} lens={lens}, attn_query_block=4: max abs diff {diff}"
 
 
 def test_right_padding_and_explicit_positions(tmp_path):
@@ -90,22 +95,25 @@ def test_bfloat16_on_disk_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
-def test_scan_and_remat_same_logits(tmp_path, remat):
+def test_scan_remat_and_query_blocks_same_logits_and_grads(tmp_path, remat):
     make_hf_model("qwen2", str(tmp_path), num_hidden_layers=3)
     base = models.load_pretrained(str(tmp_path), scan_layers=False)
     ids, mask = batch(base.config.vocab_size, [9, 6], 9)
     ref = np.asarray(base.logits(ids, mask))
-    for scan in (True, False):
-        m = base.with_config(scan_layers=scan, remat=remat)
+    # attn_query_block=4: causal query blocks (a ragged last one at T=9); 128 > T: one block
+    for scan, blk in ((True, 128), (False, 128), (True, 4), (False, 4)):
+        m = base.with_config(scan_layers=scan, remat=remat, attn_query_block=blk)
         assert ("layers" in m.params) == scan
-        np.testing.assert_allclose(np.asarray(m.logits(ids, mask)), ref, atol=1e-5, rtol=1e-5)
-        # gradients too (remat only matters for the backward pass)
-        def loss(p):
-            return models.forward(m.config, p, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)).mean()
-        g = jax.grad(loss)(m.params)
+        real = mask.astype(bool)  # padding queries see no key at all: their (unused) logits depend on the blocks
+        np.testing.assert_allclose(np.asarray(m.logits(ids, mask))[real], ref[real], atol=1e-5, rtol=1e-5)
+
+        # gradients too (remat only matters for the backward pass), of a loss over the real positions
+        def loss(cfg, p):
+            out = models.forward(cfg, p, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32))
+            return (out * jnp.asarray(mask, jnp.float32)[..., None]).mean()
+        g = jax.grad(lambda p: loss(m.config, p))(m.params)
         g = models.unstack_layers(g, m.config.num_layers) if scan else g
-        g_ref = jax.grad(lambda p: models.forward(base.config, p, jnp.asarray(ids, jnp.int32),
-                                                  jnp.asarray(mask, jnp.int32)).mean())(base.params)
+        g_ref = jax.grad(lambda p: loss(base.config, p))(base.params)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
 

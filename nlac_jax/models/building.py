@@ -19,7 +19,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 @gin.configurable
 def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_dtype: str = "float32",
-                scan_layers: bool = True, remat: str = "none", hidden_size: int = 64, intermediate_size: int = 128,
+                scan_layers: bool = True, remat: str = "none", attn_query_block: int = 128, hidden_size: int = 64, intermediate_size: int = 128,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                 model_type: str = "qwen2", tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
                 tokenizer_vocab_size: int = 512, hf_config: dict | None = None):
@@ -36,7 +36,8 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
     Random model shapes: embedding [vocab_size, hidden_size] with vocab_size = len(tokenizer) rounded up to a
     multiple of 64; num_layers layers of num_heads query / num_kv_heads key-value heads of head_dim each."""
     from nlac_jax import models, text, tiny
-    run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat)
+    run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
+               attn_query_block=attn_query_block)
     if hf_config is not None and not isinstance(hf_config, dict):
         raise models.ConfigError(f"build_model.hf_config = {hf_config!r}: expected a dict of config.json fields")
     if model_dir is not None:

@@ -4,7 +4,7 @@ The fields fall in three groups:
 - the architecture every supported family shares (sizes, heads, RoPE base, tying);
 - block options that a family switches on (q/k norms, Gemma's norm style and sandwich norms, the MLP activation,
   embedding scaling, logit soft-caps, sliding-window layers, RoPE scaling);
-- how we run it (dtypes, scanned layers, remat), which is not part of the checkpoint.
+- how we run it (dtypes, scanned layers, remat, the attention query block), which is not part of the checkpoint.
 
 Which `config.json` fields a family reads, which values it refuses, and how it writes them back live in
 `nlac_jax/models/families/<family>.py`; this module only dispatches to the family registry.
@@ -79,6 +79,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls/activations; norms, softmax and RoPE stay float32
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots  (see decoder.REMAT_POLICIES)
+    # Cache-free (training, scoring) attention runs query blocks of this many tokens against only the keys up to
+    # the block's end: a causal mask hides the rest, so the result is the same and ~(n+1)/2n of the score work
+    # remains for n blocks. 0 = one block (the full T x T scores).
+    attn_query_block: int = 128
 
     def __post_init__(self):
         from nlac_jax.models import families
@@ -93,6 +97,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         if self.remat not in ("none", "full", "dots"):
             raise ConfigError(f"remat={self.remat!r} is not one of none|full|dots")
+        if not isinstance(self.attn_query_block, int) or self.attn_query_block < 0:
+            raise ConfigError(f"attn_query_block={self.attn_query_block!r}: expected an int >= 0 (0 = off)")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ConfigError(f"mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
         if self.layer_types:

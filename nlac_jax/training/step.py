@@ -198,7 +198,8 @@ class TrainStep:
     pipeline) and NonFiniteError is raised once `max_consecutive_skips` updates in a row were skipped.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh, optimizer: Optimizer, sc: StepConfig, rules=None):
+    def __init__(self, cfg: ModelConfig, mesh, optimizer: Optimizer, sc: StepConfig, rules=None,
+                 compiler_options: Mapping[str, str] | None = None):
         self.cfg, self.mesh, self.optimizer, self.config, self.rules = cfg, mesh, optimizer, sc, rules
         self.max_consecutive_skips = sc.max_consecutive_skips  # host-side guard; may be changed between calls
         self.state_shardings = state_shardings(cfg, mesh, optimizer, rules)
@@ -207,8 +208,12 @@ class TrainStep:
         rep = NamedSharding(mesh, P())
         fn = lambda state, batch: train_step(state, batch, cfg, optimizer, sc,  # noqa: E731
                                              self.state_shardings.params)
+        if compiler_options is None:
+            compiler_options = default_compiler_options(cfg, mesh)
+        self.compiler_options = dict(compiler_options)
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings),
-                              out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
+                              out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
+                              compiler_options=self.compiler_options or None)
         self._pending = None
 
     def prepare_batch(self, batch) -> dict:
@@ -266,11 +271,24 @@ class TrainStep:
             check_finite(self._pending, self.max_consecutive_skips)
 
 
+# XLA:CPU (jaxlib 0.10.2) hands only dots to YNNPACK by default. Adding its reductions makes the float32 step ~10%
+# faster (the attention softmax and the norms; benchmarks/bench_train.py) but the bfloat16 step ~60% slower, so
+# only float32 compute gets it. Per executable, not XLA_FLAGS: the sampler's bfloat16 decode also loses with it.
+_CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def default_compiler_options(cfg: ModelConfig, mesh) -> dict[str, str]:
+    """XLA options of the train step's executable: the float32 CPU setting above, else none."""
+    platform = mesh.devices.flat[0].platform
+    return dict(_CPU_FLOAT32_OPTIONS) if platform == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32 else {}
+
+
 @gin.configurable
 def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, *, critic_weight: float = 1.0,
                     policy_weight: float = 1.0, normalisation: str = "token", num_microbatches: int = 1,
                     loss_chunk: int = 0, loss_positions: int = 0, ema_decay: float = 0.99,
-                    max_consecutive_skips: int = 10, rules=None) -> TrainStep:
+                    max_consecutive_skips: int = 10, rules=None,
+                    compiler_options: Mapping[str, str] | None = None) -> TrainStep:
     """The jitted, sharded NLAC train step for model `cfg` on `mesh`.
 
     critic_weight, policy_weight: total = critic_weight·L1 + policy_weight·L2.
@@ -284,6 +302,7 @@ def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, 
       with a row of more than K targets (`lax.cond`); the loss is the same either way (0 = every position).
     ema_decay: τ of the target update θ̄ ← τ·θ̄ + (1−τ)·θ, applied after every applied optimiser update.
     max_consecutive_skips: raise NonFiniteError after this many skipped (non-finite) updates in a row (0 = never).
+    compiler_options: XLA options for the step's executable (None: `default_compiler_options`; {} for none).
     Compute dtype and remat come from cfg (cfg.dtype, cfg.remat); master weights are float32.
     """
     if normalisation not in loss_lib.NORMALISATIONS:
@@ -295,7 +314,8 @@ def make_train_step(cfg: ModelConfig, mesh, optimizer: Optimizer | None = None, 
     sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
                     num_microbatches=num_microbatches, loss_chunk=loss_chunk, loss_positions=loss_positions,
                     ema_decay=ema_decay, max_consecutive_skips=max_consecutive_skips)
-    return TrainStep(cfg, mesh, optimizer if optimizer is not None else make_optimizer(), sc, rules)
+    return TrainStep(cfg, mesh, optimizer if optimizer is not None else make_optimizer(), sc, rules,
+                     compiler_options)
 
 
 def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_weight: float = 1.0,
