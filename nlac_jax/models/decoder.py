@@ -145,14 +145,15 @@ def attention_mask_bias(q_slot: Array, kv_mask: Array, window: int | None = None
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
 
 
-def write_slots(buf: Array, new: Array, index: Array) -> Array:
-    """buf [B, S, ...] with new [B, T, ...] written at slots index..index+T-1: `index` an int32 scalar (every row at
-    the same slot: one in-place dynamic_update_slice) or [B] (a slot per row: continuous batching, where rows
-    restart at different times)."""
+def write_slots(buf: Array, new: Array, index: Array, slot_axis: int = 1) -> Array:
+    """buf [B, ..., S, ...] with new [B, ..., T, ...] written at slots index..index+T-1 of `slot_axis`: `index` an
+    int32 scalar (every row at the same slot: one in-place dynamic_update_slice) or [B] (a slot per row: continuous
+    batching, where rows restart at different times)."""
     new = new.astype(buf.dtype)
     if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice(buf, new, (0, index) + (0,) * (buf.ndim - 2))
-    return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice(b, n, (i,) + (0,) * (b.ndim - 1)))(buf, new, index)
+        return jax.lax.dynamic_update_slice(buf, new, tuple(index if a == slot_axis else 0 for a in range(buf.ndim)))
+    return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice(
+        b, n, tuple(i if a == slot_axis - 1 else 0 for a in range(b.ndim))))(buf, new, index)
 
 
 def softcap(x: Array, cap: float | None) -> Array:
@@ -252,20 +253,21 @@ class Attention(nn.Module):
             q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        # query head h = kv_head * G + g, as HF's repeat_kv. Heads-major layouts ([B, K, G, T, D] x [B, K, S, D])
+        # make both attention contractions plain batched matmuls (3-5x faster on CPU than the token-major einsum).
+        # The cache is kept heads-major too, so a decode step transposes its new token, not the whole cache.
+        kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         new_cache = None
         if layer_cache is not None:
-            ck = write_slots(layer_cache["k"], k, cache_index)
-            cv = write_slots(layer_cache["v"], v, cache_index)
+            ck = write_slots(layer_cache["k"], kt, cache_index, slot_axis=2)
+            cv = write_slots(layer_cache["v"], vt, cache_index, slot_axis=2)
             new_cache = {"k": ck, "v": cv}
-            k, v = ck.astype(dt), cv.astype(dt)
+            kt, vt = ck.astype(dt), cv.astype(dt)
 
         B, T = x.shape[:2]
         G = H // K
         scale = (cfg.query_pre_attn_scalar or D) ** -0.5
-        # query head h = kv_head * G + g, as HF's repeat_kv. Heads-major layouts ([B, K, G, T, D] x [B, K, S, D])
-        # make both attention contractions plain batched matmuls (3-5x faster on CPU than the token-major einsum).
         qt = q.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
-        kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
         def attend(q_, k_, v_, bias_):
             scores = softcap(einsum("bkgtd,bksd->bkgts", q_, k_, dt, jnp.float32) * scale, cfg.attn_softcap)
@@ -362,7 +364,7 @@ class CausalLM(nn.Module):
         """Forward pass.
 
         tokens, positions, attention_mask: int32 [B, T] (attention_mask 1 = real token, 0 = padding).
-        cache: None, or init_cache(cfg, ...): {'k','v': [L, B, S, K, D] (scan_layers) or L-tuples of [B, S, K, D],
+        cache: None, or init_cache(cfg, ...): {'k','v': [L, B, K, S, D] (scan_layers) or L-tuples of [B, K, S, D],
           'mask': [B, S] int32, 'index': int32 scalar or [B] per row}: the T tokens are written at slots
           index..index+T-1 and attend to every valid earlier slot (within the window on sliding layers).
         Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
@@ -428,19 +430,20 @@ class CausalLM(nn.Module):
 # ============================================================================================== cache, prefill, decode
 
 CACHE_LOGICAL_AXES = {
-    "k": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim"),
-    "v": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim"),
+    "k": ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim"),
+    "v": ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim"),
     "mask": ("cache_batch", "cache_length"),
     "index": (),
 }
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
-    """Empty KV cache in the layout `CausalLM(cfg)` reads: k, v [L, B, S, K, D] when cfg.scan_layers, else L-tuples
-    of [B, S, K, D] (one buffer per layer, updated in place); mask [B, S] int32 zeros; index 0. Compute dtype by
-    default. Sliding layers keep all S slots (the window is a mask), so every layer shares one slot numbering."""
+    """Empty KV cache in the layout `CausalLM(cfg)` reads: k, v [L, B, K, S, D] (heads-major) when cfg.scan_layers,
+    else L-tuples of [B, K, S, D] (one buffer per layer, updated in place); mask [B, S] int32 zeros; index 0. Compute
+    dtype by default. Sliding layers keep all S slots (the window is a mask), so every layer shares one slot
+    numbering."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
     if cfg.scan_layers:
         k = v = jnp.zeros((cfg.num_layers,) + shape, dtype)
     else:

@@ -174,7 +174,7 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     def put(old, value, axis=0):
         return old.at[(slice(None),) * axis + (slots,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
 
-    layer_axis = 0 if isinstance(st.cache["k"], (tuple, list)) else 1  # stacked caches: [L, B, S, K, D]
+    layer_axis = 0 if isinstance(st.cache["k"], (tuple, list)) else 1  # stacked caches: [L, B, K, S, D]
     cache = {k: (tuple(put(o, n) for o, n in zip(st.cache[k], new[k])) if layer_axis == 0
                  else put(st.cache[k], new[k], axis=1)) for k in ("k", "v")}
     cache.update(mask=put(st.cache["mask"], new["mask"]), index=put(st.cache["index"], T))
@@ -193,7 +193,7 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
 
 def take_cache_rows(cache: dict, rows: Array) -> dict:
     """The cache rows `rows` [B2] (int32), in that order: k, v, mask and a per-row index (a scalar index is shared)."""
-    layered = isinstance(cache["k"], (tuple, list))  # per-layer [B, S, K, D] buffers, or stacked [L, B, S, K, D]
+    layered = isinstance(cache["k"], (tuple, list))  # per-layer [B, K, S, D] buffers, or stacked [L, B, K, S, D]
     out = {k: tuple(jnp.take(a, rows, axis=0) for a in cache[k]) if layered else jnp.take(cache[k], rows, axis=1)
            for k in ("k", "v")}
     index = cache["index"]  # a scalar when every row started together (one-batch path), else one per row
