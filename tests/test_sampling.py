@@ -356,6 +356,32 @@ def test_no_recompilation_with_new_params_or_controls(qwen):
     assert (a.tokens != b.tokens).any()
 
 
+def test_layer_layout_converted_once_per_params_tree(qwen):
+    """The unrolled loop's per-layer weights are sliced once per parameter tree (not inside every executable
+    call); the last two trees are kept, and a tree already in the per-layer layout is used as it is."""
+    _, m, _ = qwen
+    s = sampling.Sampler(m.config)
+    assert s.layer_loop == "unrolled" and "layers" in m.params
+    calls = []
+    convert = s._to_layout
+    s._to_layout = lambda p: calls.append(1) or convert(p)
+    p2 = jax.tree.map(lambda a: a * 1.01, m.params)
+    kw = dict(max_new_tokens=8, stop_token_ids=())
+    a = s.generate(m.params, prompts(), **kw)
+    s.generate(m.params, prompts(), **kw)
+    assert len(calls) == 1
+    b = s.generate(p2, prompts(), **kw)
+    s.generate(m.params, prompts(), **kw)
+    s.generate(p2, prompts(), **kw)
+    assert len(calls) == 2
+    unrolled = models.unstack_layers(m.params, m.config.num_layers)
+    c = s.generate(unrolled, prompts(), **kw)
+    assert len(calls) == 2
+    np.testing.assert_array_equal(a.tokens, c.tokens)
+    np.testing.assert_array_equal(a.logprobs, c.logprobs)
+    assert np.abs(a.logprobs - b.logprobs).max() > 1e-3  # p2's own weights, not a stale conversion
+
+
 # ----------------------------------------------------------------------------------------------- sharding
 
 

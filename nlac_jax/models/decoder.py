@@ -174,7 +174,12 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         w = _param(self, "kernel", nn.initializers.normal(0.02), self.shape, self.names, self.param_dtype)
-        y = _dot(self.eq, x, w, self.dtype)
+        eq = self.eq
+        if eq == "bthd,hde->bte":
+            # One contracted axis of H*D: with two, XLA:CPU may pick the activation's [.., D, H] layout and copy the
+            # whole kernel to match it on every call (every decode step); merging the axes is free for both.
+            x, w, eq = x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]), "btf,fe->bte"
+        y = _dot(eq, x, w, self.dtype)
         if self.bias_names is not None:
             b_shape = self.shape[len(self.shape) - len(self.bias_names):]
             y = y + _param(self, "bias", nn.initializers.zeros, b_shape, self.bias_names, self.param_dtype).astype(self.dtype)

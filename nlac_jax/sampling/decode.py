@@ -6,9 +6,10 @@ through its own entry points (`models.decoder.prefill`, `models.decoder.decode_s
 the model owns the forward pass, the cache and the LM head.
 
 Layer loop: the config passed here decides it (`cfg.scan_layers`). The Sampler passes a config with
-scan_layers=False on XLA:CPU: `decoder.layout_params` then slices the scanned weights into per-layer trees ONCE per
-call, outside the while loop, and every layer's cache is its own buffer updated in place (with the scanned stack,
-XLA:CPU copies each layer's weights out of the stack on every decode step).
+scan_layers=False on XLA:CPU, and parameters already in that per-layer layout (`Sampler.run_params` slices the
+scanned weights once per parameter tree); every layer's cache is its own buffer updated in place (with the scanned
+stack, XLA:CPU copies each layer's weights out of the stack on every decode step). `decoder.layout_params` here is
+then a no-op; it still converts a tree passed in the other layout, inside the executable.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import numpy as np
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.models.decoder import layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, refill_impl)
@@ -131,6 +132,8 @@ class Sampler:
         self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src: refill_impl(
             run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,))
         self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
+        self._to_layout = jax.jit(lambda params: layout_params(run_cfg, params))
+        self._layouts: list = []  # [(leaf ids, source tree, tree in run_cfg's layer layout)], newest first
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
@@ -151,6 +154,20 @@ class Sampler:
             from nlac_jax import models
             self._param_shardings = models.param_shardings(self.cfg, self.mesh, self.rules)
         return jax.device_put(params, self._param_shardings)
+
+    def run_params(self, params):
+        """`params` in the layer layout the compiled functions run (scanned weights sliced per layer for the
+        unrolled loop). Done once per parameter tree, not inside every prefill/decode/refill executable, where it
+        copied all the weights on every call; the last two trees are kept (a loop samples from θ and θ̄)."""
+        if ("layers" in params) == (self.layer_loop == "scan"):
+            return params
+        ids = tuple(map(id, jax.tree.leaves(params)))
+        for known, _source, out in self._layouts:
+            if known == ids:  # the source tree is held, so its leaves' ids cannot be reused by other arrays
+                return out
+        out = self._to_layout(params)
+        self._layouts = [(ids, params, out)] + self._layouts[:1]
+        return out
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
@@ -267,7 +284,7 @@ class Sampler:
         key = _as_key(seed)
         B = len(prompts) * per_prompt
         with self._mesh_ctx():
-            params = self.place_params(params)
+            params = self.run_params(self.place_params(params))
             if slots is not None and B > int(slots):
                 tokens, logprobs, lengths, reason, steps, token_slots = self._continuous(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows)
