@@ -357,8 +357,9 @@ def test_no_recompilation_with_new_params_or_controls(qwen):
 
 
 def test_layer_layout_converted_once_per_params_tree(qwen):
-    """The unrolled loop's per-layer weights are sliced once per parameter tree (not inside every executable
-    call); the last two trees are kept, and a tree already in the per-layer layout is used as it is."""
+    """The unrolled loop's per-layer, fused weights are made once per parameter tree (not inside every executable
+    call); the last two trees are kept; a tree already in the run layout is used as it is; the per-layer layout
+    without fusion gives the same tokens and log-probs (the fused matmuls are the same sums)."""
     _, m, _ = qwen
     s = sampling.Sampler(m.config)
     assert s.layer_loop == "unrolled" and "layers" in m.params
@@ -374,11 +375,17 @@ def test_layer_layout_converted_once_per_params_tree(qwen):
     s.generate(m.params, prompts(), **kw)
     s.generate(p2, prompts(), **kw)
     assert len(calls) == 2
-    unrolled = models.unstack_layers(m.params, m.config.num_layers)
-    c = s.generate(unrolled, prompts(), **kw)
+    ready = s.run_params(m.params)
+    assert "gate_up" in ready["layers_0"]["mlp"] and "qkv" in ready["layers_0"]["attn"]
+    c = s.generate(ready, prompts(), **kw)
     assert len(calls) == 2
     np.testing.assert_array_equal(a.tokens, c.tokens)
     np.testing.assert_array_equal(a.logprobs, c.logprobs)
+    # the fused projections are the same sums as the modules' own (unfused, per-layer) ones
+    cfg, ids = m.config.replace(scan_layers=False), jnp.asarray([p + [1] * (17 - len(p)) for p in prompts()])
+    plain = models.unstack_layers(m.params, m.config.num_layers)
+    np.testing.assert_allclose(np.asarray(models.forward(cfg, ready, ids, jnp.ones_like(ids))),
+                               np.asarray(models.forward(cfg, plain, ids, jnp.ones_like(ids))), atol=1e-4, rtol=1e-5)
     assert np.abs(a.logprobs - b.logprobs).max() > 1e-3  # p2's own weights, not a stale conversion
 
 

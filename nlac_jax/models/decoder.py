@@ -253,7 +253,14 @@ class Attention(nn.Module):
             bias = (heads_axis, "head_dim") if cfg.attention_bias else None
             return Linear("bte,end->btnd", (E, n, D), ("embed", heads_axis, "head_dim"), bias, dt, pdt, name=name)(x)
 
-        q, k, v = proj("q_proj", H, "heads"), proj("k_proj", K, "kv_heads"), proj("v_proj", K, "kv_heads")
+        if self.has_variable("params", "qkv"):  # fuse_projections' layout: one matmul for the three
+            p = self.get_variable("params", "qkv")
+            qkv = _dot("bte,end->btnd", x, p["kernel"], dt)
+            if "bias" in p:
+                qkv = qkv + p["bias"].astype(dt)
+            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + K], qkv[:, :, H + K:]
+        else:
+            q, k, v = proj("q_proj", H, "heads"), proj("k_proj", K, "kv_heads"), proj("v_proj", K, "kv_heads")
         if cfg.qk_norm:  # per head over head_dim, before RoPE (Qwen3, Gemma 3)
             q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -307,7 +314,12 @@ class MLP(nn.Module):
             return Linear("bte,ef->btf" if names[0] == "embed" else "btf,fe->bte", shape, names, None, dt, pdt, name=name)
 
         act = nn.silu if cfg.mlp_activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-        h = act(lin("gate_proj", (E, F), ("embed", "mlp"))(x)) * lin("up_proj", (E, F), ("embed", "mlp"))(x)
+        if self.has_variable("params", "gate_up"):  # fuse_projections' layout: one matmul for both
+            gu = _dot("bte,ecf->btcf", x, self.get_variable("params", "gate_up"), dt)
+            gate, up = gu[..., 0, :], gu[..., 1, :]
+        else:
+            gate, up = lin("gate_proj", (E, F), ("embed", "mlp"))(x), lin("up_proj", (E, F), ("embed", "mlp"))(x)
+        h = act(gate) * up
         h = sharding.constrain(h, ("batch", "length", "act_mlp"))
         return lin("down_proj", (F, E), ("mlp", "embed"))(h)
 
@@ -484,6 +496,29 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
     out = {k: v for k, v in params.items() if k != "layers"}
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
+
+
+def fuse_projections(params: dict, num_layers: int, qkv: bool = True) -> dict:
+    """Per-layer params (unrolled layout) with gate/up stacked into mlp.gate_up [E, 2, F] and, with `qkv`, q/k/v
+    concatenated into attn.qkv {'kernel': [E, H+2K, D], 'bias'}: one matmul instead of two or three (XLA:CPU runs
+    independent small matmuls concurrently, each fighting the other for the same cores). Inference only; the
+    heads concatenation mixes the 'heads' and 'kv_heads' axes, so leave qkv off under tensor parallelism."""
+    out = dict(params)
+    for i in range(num_layers):
+        layer = dict(params[f"layers_{i}"])
+        if "gate_up" in layer["mlp"]:  # already fused
+            return params
+        mlp = dict(layer["mlp"])
+        mlp["gate_up"] = jnp.stack([mlp.pop("gate_proj")["kernel"], mlp.pop("up_proj")["kernel"]], axis=1)
+        layer["mlp"] = mlp
+        if qkv:
+            attn = dict(layer["attn"])
+            parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+            attn["qkv"] = {k: jnp.concatenate([p[k] for p in parts], axis=0 if k == "bias" else 1)
+                           for k in parts[0]}
+            layer["attn"] = attn
+        out[f"layers_{i}"] = layer
     return out
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
-from nlac_jax.models.decoder import layout_params
+from nlac_jax.models.decoder import fuse_projections, layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, refill_impl)
@@ -132,7 +132,11 @@ class Sampler:
         self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src: refill_impl(
             run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,))
         self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
-        self._to_layout = jax.jit(lambda params: layout_params(run_cfg, params))
+        # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
+        # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
+        fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
+        self._to_layout = jax.jit(lambda params: layout_params(run_cfg, params) if layer_loop == "scan" else
+                                  fuse_projections(layout_params(run_cfg, params), cfg.num_layers, fuse_qkv))
         self._layouts: list = []  # [(leaf ids, source tree, tree in run_cfg's layer layout)], newest first
 
     # ------------------------------------------------------------------ helpers
@@ -156,11 +160,12 @@ class Sampler:
         return jax.device_put(params, self._param_shardings)
 
     def run_params(self, params):
-        """`params` in the layer layout the compiled functions run (scanned weights sliced per layer for the
-        unrolled loop). Done once per parameter tree, not inside every prefill/decode/refill executable, where it
-        copied all the weights on every call; the last two trees are kept (a loop samples from θ and θ̄)."""
-        if ("layers" in params) == (self.layer_loop == "scan"):
-            return params
+        """`params` in the layout the compiled functions run: for the unrolled loop, scanned weights sliced per
+        layer and the projections fused (decoder.fuse_projections). Done once per parameter tree, not inside
+        every prefill/decode/refill executable, where it copied all the weights on every call; the last two trees
+        are kept (a loop samples from θ and θ̄)."""
+        if ("layers" in params) if self.layer_loop == "scan" else "gate_up" in params.get("layers_0", {}).get("mlp", {}):
+            return params  # already in the run layout
         ids = tuple(map(id, jax.tree.leaves(params)))
         for known, _source, out in self._layouts:
             if known == ids:  # the source tree is held, so its leaves' ids cannot be reused by other arrays
