@@ -19,8 +19,8 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 @gin.configurable
 def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_dtype: str = "float32",
-                scan_layers: bool = True, remat: str = "none", attn_query_block: int = 128, hidden_size: int = 64, intermediate_size: int = 128,
-                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                scan_layers: bool = True, remat: str = "none", attn_query_block: int = 128, hidden_size: int = 64,
+                intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                 model_type: str = "qwen2", tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
                 tokenizer_vocab_size: int = 512, hf_config: dict | None = None):
     """(ModelConfig, tokenizer, HF directory or None). With `model_dir`: its config.json and tokenizer (weights are

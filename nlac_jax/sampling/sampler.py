@@ -164,8 +164,12 @@ class Sampler:
         layer and the projections fused (decoder.fuse_projections). Done once per parameter tree, not inside
         every prefill/decode/refill executable, where it copied all the weights on every call; the last two trees
         are kept (a loop samples from θ and θ̄)."""
-        if ("layers" in params) if self.layer_loop == "scan" else "gate_up" in params.get("layers_0", {}).get("mlp", {}):
-            return params  # already in the run layout
+        if self.layer_loop == "scan":
+            ready = "layers" in params
+        else:
+            ready = "gate_up" in params.get("layers_0", {}).get("mlp", {})
+        if ready:
+            return params
         ids = tuple(map(id, jax.tree.leaves(params)))
         for known, _source, out in self._layouts:
             if known == ids:  # the source tree is held, so its leaves' ids cannot be reused by other arrays

@@ -271,8 +271,8 @@ class TrainStep:
             check_finite(self._pending, self.max_consecutive_skips)
 
 
-# XLA:CPU (jaxlib 0.10.2) hands only dots to YNNPACK by default. Adding its reductions makes the float32 step ~10%
-# faster (the attention softmax and the norms; benchmarks/bench_train.py) but the bfloat16 step ~60% slower, so
+# XLA:CPU (jaxlib 0.10.2) hands YNNPACK its dots by default. Fusing dots and reductions there makes the float32 step
+# ~10% faster (the attention softmax, the norms; benchmarks/bench_train.py) but the bfloat16 step ~60% slower, so
 # only float32 compute gets it. Per executable, not XLA_FLAGS: the sampler's bfloat16 decode also loses with it.
 _CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
 
