@@ -119,17 +119,17 @@ def test_gemma3_scanned_layers_equal_unrolled_with_grads(tmp_path):
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", dict(LLAMA3_ROPE, tie_word_embeddings=True)),
                                               ("gemma3", dict(final_logit_softcapping=3.0))])
 def test_greedy_sampler_matches_transformers(tmp_path, family, overrides):
-    """The KV-cache sampler (unrolled and scanned layer loops) equals transformers' greedy `generate`; Gemma's
+    """The KV-cache sampler (unrolled and scanned layer loops, query-blocked prefill) equals transformers' greedy `generate`; Gemma's
     prompts and generations run far past its 4-slot sliding window."""
     hm = make_hf_model(family, str(tmp_path), std=0.5, vocab_size=256, **overrides)
     m = models.load_pretrained(str(tmp_path))
     rng = np.random.RandomState(1)
     ps = [rng.randint(1, 250, n).tolist() for n in (3, 12, 7)]
     ref = hf_greedy(hm, ps, 20)
-    for loop in ("unrolled", "scan"):
-        out = sampling.Sampler(m.config, layer_loop=loop).generate(m.params, ps, max_new_tokens=20,
-                                                                    stop_token_ids=())
-        np.testing.assert_array_equal(out.tokens, ref, err_msg=f"{family} {loop}")
+    # blocks: the prefill's causal query blocks of 3 (sliding windows inside blocks, a ragged last block)
+    for loop, cfg in (("unrolled", m.config), ("scan", m.config), ("unrolled", m.config.replace(attn_query_block=3))):
+        out = sampling.Sampler(cfg, layer_loop=loop).generate(m.params, ps, max_new_tokens=20, stop_token_ids=())
+        np.testing.assert_array_equal(out.tokens, ref, err_msg=f"{family} {loop} {cfg.attn_query_block}")
 
 
 @pytest.mark.parametrize("family,patch,field", [

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from nlac_jax import models, sharding
-from nlac_jax.models import hf_io
+from nlac_jax.models import decoder, hf_io
 
 from hf_reference import batch, hf_logits, make_hf_model, refusal_message
 
@@ -116,6 +116,36 @@ def test_scan_remat_and_query_blocks_same_logits_and_grads(tmp_path, remat):
         g_ref = jax.grad(lambda p: loss(base.config, p))(base.params)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+def test_prefill_attends_among_the_prompt_only(tmp_path):
+    """decoder.prefill (fresh_cache: attention over the T prompt tokens, causal query blocks) equals the general
+    cache path (attention over all S cache slots, the unwritten ones masked): the same last-token logits and the
+    same cache, for left-padded prompts, scanned and unrolled layers."""
+    make_hf_model("qwen2", str(tmp_path), num_hidden_layers=2)
+    base = models.load_pretrained(str(tmp_path), scan_layers=False)
+    ids, mask = batch(base.config.vocab_size, [9, 6, 1], 9)
+    ids, mask = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
+    S = 16
+    for scan, blk in ((False, 4), (True, 128)):
+        cfg = base.config.replace(scan_layers=scan, attn_query_block=blk)
+        params = decoder.layout_params(cfg, base.params)
+        logits, cache = decoder.prefill(cfg, params, ids, mask, S)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
+        hidden, ref_cache = decoder.CausalLM(cfg).apply({"params": params}, ids, positions, mask,
+                                                        decoder.init_cache(cfg, 3, S), return_hidden=True)
+        ref = decoder.lm_head(cfg, params, hidden[:, -1:])[:, 0]
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(cache["mask"], ref_cache["mask"])
+        assert int(cache["index"]) == int(ref_cache["index"]) == 9
+        real = np.asarray(cache["mask"], bool)  # padding slots: keys of queries that attend to nothing, never read
+        for name in ("k", "v"):
+            for a, b in zip(jax.tree.leaves(cache[name]), jax.tree.leaves(ref_cache[name])):
+                a, b = np.moveaxis(np.asarray(a), -2, -3), np.moveaxis(np.asarray(b), -2, -3)  # [.., B, S, K, D]
+                if scan:
+                    a, b = a.transpose(1, 0, 2, 3, 4), b.transpose(1, 0, 2, 3, 4)  # [B, L, S, K, D]
+                    a, b = a.transpose(0, 2, 1, 3, 4), b.transpose(0, 2, 1, 3, 4)  # [B, S, L, K, D]
+                np.testing.assert_allclose(a[real], b[real], atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 BF16_TOL = 0.1  # stated tolerance: bf16 compute (float32 params, norms, softmax, RoPE) vs float32, max abs logit diff

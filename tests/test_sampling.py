@@ -82,7 +82,9 @@ def test_continuous_batching_equals_one_batch(qwen):
     assert len(set(ref.lengths.tolist())) > 3 and set(ref.stop_reason) >= {"stop_token", "stop_string"}
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
-    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+    # float32 summation order: a refill's prompt bucket differs from the one batch's, so the prefill's causal query
+    # blocks split the keys differently (measured up to 1.2e-5 on a log-prob of -1.66)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
     assert out.stop_reason == ref.stop_reason and out.texts == ref.texts
     assert out.useful_token_fraction > ref.useful_token_fraction
     assert 0 < out.useful_token_fraction <= 1 and out.token_slots >= int(out.lengths.sum())

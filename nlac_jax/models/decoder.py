@@ -241,7 +241,11 @@ def _pick(flag, if_true, if_false):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. fresh: the cache is empty and these T tokens go to slots 0..T-1 (a prefill), so they
+    attend among themselves only, as without a cache (query blocks included), and the cache is only written."""
+
     cfg: ModelConfig
+    fresh: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, bias, layer_cache, cache_index):
@@ -274,7 +278,8 @@ class Attention(nn.Module):
             ck = write_slots(layer_cache["k"], kt, cache_index, slot_axis=2)
             cv = write_slots(layer_cache["v"], vt, cache_index, slot_axis=2)
             new_cache = {"k": ck, "v": cv}
-            kt, vt = ck.astype(dt), cv.astype(dt)
+            if not self.fresh:
+                kt, vt = ck.astype(dt), cv.astype(dt)
 
         B, T = x.shape[:2]
         G = H // K
@@ -287,8 +292,8 @@ class Attention(nn.Module):
             return einsum("bkgts,bksd->bkgtd", probs, v_, dt)
 
         blk = cfg.attn_query_block
-        if layer_cache is None and 0 < blk < T:
-            # No cache: the keys are these T tokens in slot order, so the causal mask hides every key after a query
+        if (layer_cache is None or self.fresh) and 0 < blk < T:
+            # No cache (or a fresh one): the keys are these T tokens in slot order, so the causal mask hides every key after a query
             # block's last token. Each block attends to keys [0, end) only. The hidden keys' exp() is exactly 0, so
             # this is the full computation up to summation order, at ~(n+1)/2n of the score work for n blocks.
             out = jnp.concatenate([
@@ -329,13 +334,14 @@ class DecoderLayer(nn.Module):
     (a Python bool, or a traced bool under nn.scan) picks this layer's entry."""
 
     cfg: ModelConfig
+    fresh: bool = False  # Attention.fresh
 
     @nn.compact
     def __call__(self, x, attn_in, cache_index, layer_cache, is_sliding):
         cfg = self.cfg
         cos, sin, bias = attn_in["full"] if "sliding" not in attn_in else _pick(
             is_sliding, attn_in["sliding"], attn_in["full"])
-        h, new_cache = Attention(cfg, name="attn")(_norm(cfg, "input_norm")(x), cos, sin, bias, layer_cache,
+        h, new_cache = Attention(cfg, self.fresh, name="attn")(_norm(cfg, "input_norm")(x), cos, sin, bias, layer_cache,
                                                    cache_index)
         if cfg.sandwich_norms:
             h = _norm(cfg, "attn_out_norm")(h)
@@ -377,13 +383,16 @@ class CausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array, attention_mask: Array, cache: dict | None = None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, fresh_cache: bool = False):
         """Forward pass.
 
         tokens, positions, attention_mask: int32 [B, T] (attention_mask 1 = real token, 0 = padding).
         cache: None, or init_cache(cfg, ...): {'k','v': [L, B, K, S, D] (scan_layers) or L-tuples of [B, K, S, D],
           'mask': [B, S] int32, 'index': int32 scalar or [B] per row}: the T tokens are written at slots
           index..index+T-1 and attend to every valid earlier slot (within the window on sliding layers).
+        fresh_cache: the cache is empty with index 0 (a prefill): the tokens attend among themselves only, as without
+          a cache, instead of over all S slots (S - T of them masked); the result is the same, at T/S of the score
+          work and with the causal query blocks (cfg.attn_query_block).
         Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
         """
         cfg = self.cfg
@@ -400,12 +409,14 @@ class CausalLM(nn.Module):
             kv_mask = write_slots(cache["mask"], attention_mask, index)
             layer_caches = {"k": cache["k"], "v": cache["v"]}
         q_slot = jnp.broadcast_to(jnp.expand_dims(index, -1) + jnp.arange(T, dtype=jnp.int32), (B, T))
+        seen = attention_mask if fresh_cache else kv_mask  # the keys the queries attend to
         attn_in = {"full": rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-                   + (attention_mask_bias(q_slot, kv_mask),)}
+                   + (attention_mask_bias(q_slot, seen),)}
         sliding = tuple(t == "sliding" for t in cfg.layer_types) or (False,) * cfg.num_layers
         if cfg.has_sliding_layers:
             attn_in["sliding"] = rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta) \
-                + (attention_mask_bias(q_slot, kv_mask, cfg.sliding_window),)
+                + (attention_mask_bias(q_slot, seen, cfg.sliding_window),)
+        fresh = fresh_cache and cache is not None
 
         layer_cls = DecoderLayer
         if cfg.remat != "none":
@@ -420,13 +431,13 @@ class CausalLM(nn.Module):
                 in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
+            )(cfg, fresh, name="layers")
             x, new_layers = stack(x, attn_in, index, layer_caches, flags)
         else:
             ks, vs = [], []
             for i in range(cfg.num_layers):
                 lc = None if layer_caches is None else {"k": layer_caches["k"][i], "v": layer_caches["v"][i]}
-                x, nc = layer_cls(cfg, name=f"layers_{i}")(x, attn_in, index, lc, sliding[i])
+                x, nc = layer_cls(cfg, fresh, name=f"layers_{i}")(x, attn_in, index, lc, sliding[i])
                 if nc is not None:
                     ks.append(nc["k"])
                     vs.append(nc["v"])
@@ -536,7 +547,8 @@ def prefill(cfg: ModelConfig, params: dict, ids: Array, mask: Array, cache_len: 
     B, _ = ids.shape
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
     cache = constrain_cache(init_cache(cfg, B, cache_len))
-    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
+    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True,
+                                        fresh_cache=True)
     return lm_head(cfg, params, hidden[:, -1:])[:, 0], constrain_cache(cache)
 
 
