@@ -230,6 +230,11 @@ def test_task_source_from_seqio_via_gin(st):
     assert len(src.iterate('train', seed=3).take(5)) == 5
     with pytest.raises(ValueError):
         data.task_source_from_seqio('nlac_toy', train_split='nope')
+    # training on the evaluation split: refused by name unless asked for (as make_task_source)
+    with pytest.raises(ValueError, match=r"train_split and eval_split are both 'test'"):
+        data.task_source_from_seqio('nlac_toy', train_split='test', eval_split='test')
+    src = data.task_source_from_seqio('nlac_toy', train_split='test', eval_split='test', train_on_eval_split=True)
+    assert src.train_split == src.eval_split == 'test'
 
 
 def test_gin_bindings_reach_the_env_source(st):
@@ -251,7 +256,8 @@ def test_register_custom_task_source(st):
     try:
         st.register_task_source(name, lambda: envs.ListTaskSource(tasks), env_name='toy')
         assert data.env_name_from_seqio(name) == 'toy'
-        src = data.task_source_from_seqio(name, train_split='dev', eval_split='dev', shard_index=0, num_shards=2)
+        src = data.task_source_from_seqio(name, train_split='dev', eval_split='dev', shard_index=0, num_shards=2,
+                                          train_on_eval_split=True)
         assert [t.id for t in src.tasks('dev')] == ['c1', 'c3', 'c5']
         with pytest.raises(ValueError):
             data.task_source_from_seqio(name)  # defaults 'train' / 'test' do not exist here

@@ -59,7 +59,8 @@ def env_name_from_seqio(name: str) -> str:
 @gin.configurable(module='nlac_jax.data')
 def task_source_from_seqio(name: str = gin.REQUIRED, train_split: Optional[str] = None,
                            eval_split: Optional[str] = None, shard_by_process: bool = False,
-                           shard_index: Optional[int] = None, num_shards: Optional[int] = None):
+                           shard_index: Optional[int] = None, num_shards: Optional[int] = None,
+                           train_on_eval_split: bool = False):
     """An ``nlac_jax.envs.TaskSource`` reading its tasks through the seqio Task ``name`` (imports seqio lazily).
 
     Args:
@@ -68,11 +69,13 @@ def task_source_from_seqio(name: str = gin.REQUIRED, train_split: Optional[str] 
         does); None = the underlying env source's choice for built-in tasks, else 'train' / 'test'.
       shard_by_process: read only this host's shard, ``seqio.ShardInfo(jax.process_index(), jax.process_count())``.
       shard_index, num_shards: an explicit shard instead (both or neither; overrides ``shard_by_process``).
+      train_on_eval_split: allow train_split == eval_split (refused otherwise, as by ``envs.make_task_source``:
+        held-out numbers from such a run would not be held out).
     """
     from nlac_jax.data import seqio_tasks
     return seqio_tasks.SeqioTaskSource(name, train_split=train_split, eval_split=eval_split,
                                        shard_by_process=shard_by_process, shard_index=shard_index,
-                                       num_shards=num_shards)
+                                       num_shards=num_shards, train_on_eval_split=train_on_eval_split)
 
 
 def __getattr__(attr):

@@ -333,12 +333,13 @@ class SeqioTaskSource(TaskSource):
     """A TaskSource whose splits are read through seqio Task ``name`` (only one shard of each when asked).
 
     ``env_name`` is the env to play the tasks in (for ``make_env_factory``); ``train_split`` / ``eval_split``
-    default to the wrapped env source's, else 'train' / 'test'. Task order is the source's fixed order.
+    default to the wrapped env source's, else 'train' / 'test', and may not be the same split unless
+    ``train_on_eval_split``. Task order is the source's fixed order.
     """
 
     def __init__(self, name: str, train_split: Optional[str] = None, eval_split: Optional[str] = None,
                  shard_by_process: bool = False, shard_index: Optional[int] = None,
-                 num_shards: Optional[int] = None):
+                 num_shards: Optional[int] = None, train_on_eval_split: bool = False):
         super().__init__()
         self.name = name
         self.seqio_task = get_seqio_task(name)
@@ -361,6 +362,10 @@ class SeqioTaskSource(TaskSource):
         for s in (self.train_split, self.eval_split):
             if s not in self.splits:
                 raise ValueError(f"task_source_from_seqio({name!r}): split {s!r} not in {list(self.splits)}")
+        if self.train_split == self.eval_split and not train_on_eval_split:  # as make_task_source refuses it
+            raise ValueError(f"task_source_from_seqio({name!r}): train_split and eval_split are both "
+                             f"{self.train_split!r}: the run would train on what it evaluates (give a train split, "
+                             f"or set task_source_from_seqio.train_on_eval_split = True on purpose)")
 
     def _load(self, split: str) -> list:
         ds = self.seqio_task.get_dataset(sequence_length=None, split=split, shuffle=False,
