@@ -116,6 +116,15 @@ def test_cache_hits_make_no_http_call_and_survive_a_new_client(served, tmp_path)
     assert len(ResponseCache(str(tmp_path))) == 2
 
 
+def test_cache_dir_expands_home(monkeypatch, tmp_path):
+    """endpoint.gin's JUDGE_CACHE is under ~ (one cache per user, whatever the working directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache = ResponseCache("~/.cache/nlac_jax/judge")
+    cache.put("k", {"model": NAME}, {"choices": []})
+    assert cache.path == str(tmp_path / ".cache" / "nlac_jax" / "judge" / "responses.jsonl")
+    assert os.path.isfile(cache.path) and len(ResponseCache(str(tmp_path / ".cache" / "nlac_jax" / "judge"))) == 1
+
+
 def _play(factory, name, client, max_turns=2):
     from nlac_jax.roles import RoleSampling
 

@@ -30,10 +30,12 @@ def request_key(request: dict) -> str:
 
 
 class ResponseCache:
-    """Thread-safe response cache in ``directory/responses.jsonl`` (created on first use)."""
+    """Thread-safe response cache in ``directory/responses.jsonl`` (``~`` expanded; the directory is created here,
+    so an unwritable one fails at start-up)."""
 
     def __init__(self, directory: str):
-        self.directory = directory
+        self.directory = os.path.expanduser(directory)
+        directory = self.directory
         self.path = os.path.join(directory, FILE_NAME)
         self._lock = threading.Lock()
         self._entries: dict[str, dict] = {}
