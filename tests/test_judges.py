@@ -91,6 +91,13 @@ def test_server_models_and_bad_requests(served):
         r = requests.post(url + "/chat/completions", json={**good, **patch}, timeout=10)
         err = r.json()["error"]
         assert r.status_code == status and err["param"] == param and "\n" not in err["message"], r.text
+    # past the tiny model's 4096-token context: refused with the numbers, never cut from the left
+    for patch, param in [({"max_tokens": 4096}, "max_tokens"),
+                         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages")]:
+        r = requests.post(url + "/chat/completions", json={**good, **patch}, timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, r.text
+        assert err["message"].startswith("This model's maximum context length is 4096 tokens; the request has "), r.text
     r = requests.post(url + "/chat/completions", data="{not json", timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     # the server is still up and answers, with stop strings and max_tokens honoured

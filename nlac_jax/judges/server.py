@@ -7,7 +7,9 @@ sampling settings, and calls ``Sampler.generate`` once per group, so concurrent 
 point of a judge server: the client sends its batch concurrently). Only the worker touches JAX.
 
 Bad requests get HTTP 400 (404 for an unknown model) with OpenAI's error shape
-``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one.
+``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one. A prompt
+whose tokens plus ``max_tokens`` exceed the model's context is one of them (as vLLM does): never cut, which would
+drop the judge's instructions at the start.
 ``GET /stats`` (not part of the OpenAI API) reports the batching counters.
 """
 
@@ -158,6 +160,12 @@ class JudgeServer:
         except Exception as e:  # noqa: BLE001  a template that refuses these roles is the request's fault
             raise BadRequest(f"the chat template refused the messages ({type(e).__name__}: {e})",
                              param="messages") from None
+        context = self.model.config.max_position_embeddings
+        if len(ids) + max_tokens > context:  # refused, as vLLM and OpenAI do: cutting the prompt would drop its start
+            raise BadRequest(f"This model's maximum context length is {context} tokens; the request has {len(ids)} "
+                             f"in the messages + max_tokens={max_tokens} = {len(ids) + max_tokens}: shorten the "
+                             f"messages or lower max_tokens",
+                             param="max_tokens" if max_tokens >= context else "messages")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(((temperature, top_p, max_tokens, tuple(stop)), ids, fut))
         content, finish, n_prompt, n_completion = fut.result()
@@ -194,7 +202,8 @@ class JudgeServer:
                 try:
                     out = self.sampler.generate(self.model.params, [g[1] for g in group], max_tokens,
                                                 temperature=temperature, top_p=top_p, stop_token_ids=self.stop_ids,
-                                                stop_strings=stop, seed=next(self._seeds), tokenizer=self.tok)
+                                                stop_strings=stop, seed=next(self._seeds), tokenizer=self.tok,
+                                                overflow="error")
                     with self._lock:
                         self.stats["sampler_calls"] += 1
                     for i, (_, ids, fut) in enumerate(group):
