@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import sharding
+from nlac_jax import sharding, xla_options
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
@@ -108,9 +108,9 @@ class Sampler:
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
         if layer_loop not in ("auto", "unrolled", "scan"):
             raise ValueError(f"layer_loop={layer_loop!r} is not one of auto|unrolled|scan")
+        platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
-            devs = mesh.devices.flat if mesh is not None else jax.devices()
-            layer_loop = "unrolled" if (not cfg.scan_layers or next(iter(devs)).platform == "cpu") else "scan"
+            layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
         self.cfg, self.mesh, self.rules, self.layer_loop = cfg, mesh, rules, layer_loop
         self.min_prompt_bucket, self.min_new_bucket = int(min_prompt_bucket), int(min_new_bucket)
         self.min_batch_bucket = max(1, int(min_batch_bucket))
@@ -122,15 +122,18 @@ class Sampler:
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
+        # the prompt-processing executables get their own XLA options (nlac_jax/xla_options.py; on CPU only)
+        self.prefill_options = xla_options.for_executable("prefill", cfg.dtype, platform) or None
         self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, *, new_bucket: prefill_impl(
             run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket),
-            static_argnames=("new_bucket",))
+            static_argnames=("new_bucket",), compiler_options=self.prefill_options)
         self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
         self.empty = jax.jit(lambda key, batch, cache_len, new_bucket: empty_state(
             run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket),
             static_argnames=("batch", "cache_len", "new_bucket"))
         self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src: refill_impl(
-            run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,))
+            run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,),
+            compiler_options=self.prefill_options)
         self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.

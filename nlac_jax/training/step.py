@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nlac_jax import models, sharding
+from nlac_jax import models, sharding, xla_options
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
 from nlac_jax.training import loss as loss_lib
@@ -271,16 +271,9 @@ class TrainStep:
             check_finite(self._pending, self.max_consecutive_skips)
 
 
-# XLA:CPU (jaxlib 0.10.2) hands YNNPACK its dots by default. Fusing dots and reductions there makes the float32 step
-# ~10% faster (the attention softmax, the norms; benchmarks/bench_train.py) but the bfloat16 step ~60% slower, so
-# only float32 compute gets it. Per executable, not XLA_FLAGS: the sampler's bfloat16 decode also loses with it.
-_CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
-
-
 def default_compiler_options(cfg: ModelConfig, mesh) -> dict[str, str]:
-    """XLA options of the train step's executable: the float32 CPU setting above, else none."""
-    platform = mesh.devices.flat[0].platform
-    return dict(_CPU_FLOAT32_OPTIONS) if platform == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32 else {}
+    """XLA options of the train step's executable (nlac_jax/xla_options.py: float32 on CPU gets some)."""
+    return xla_options.for_executable("train_step", cfg.dtype, mesh.devices.flat[0].platform)
 
 
 @gin.configurable
