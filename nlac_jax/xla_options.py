@@ -5,10 +5,11 @@ executable (measured on a 2-core AVX-512 + avx512_bf16 machine, the 97.9M refere
 - train step, float32: dots and reductions in YNNPACK fusions, ~10% faster (benchmarks/bench_train.py); bfloat16
   loses ~60% with it, so it gets nothing.
 - prefill (and a continuous-batching refill, which prefills into free slots), float32: no YNNPACK at all. By default
-  YNNPACK takes a whole attention block (scores, softmax, values) as one fusion and runs it at ~30 GFLOP/s: 8 prompts
-  x 2,048 tokens prefill 35% faster without it, 32 x 128 tokens 19% faster.
-- prefill, bfloat16: YNNPACK for individual dots only (26% / 8% faster on the same shapes; no YNNPACK at all loses
-  65% here).
+  YNNPACK takes a whole attention block (scores, softmax, values) as one fusion and runs it at ~30 GFLOP/s: without
+  it a 2-layer prefill of 8 prompts x 2,048 tokens is 23% faster, of 32 x 128 tokens 13% faster (same process,
+  alternating calls).
+- prefill, bfloat16: YNNPACK for individual dots only (26% / 12% faster on the same shapes; no YNNPACK at all is 65%
+  slower at 32 x 128).
 - decode: the default (the alternatives measured within noise, or slower in bfloat16).
 Per executable, not XLA_FLAGS: one global setting would slow some other executable down.
 """

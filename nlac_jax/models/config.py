@@ -79,9 +79,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls/activations; norms, softmax and RoPE stay float32
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots  (see decoder.REMAT_POLICIES)
-    # Cache-free (training, scoring) and prefill attention runs query blocks of this many tokens against only the keys up to
-    # the block's end: a causal mask hides the rest, so the result is the same and ~(n+1)/2n of the score work
-    # remains for n blocks. 0 = one block (the full T x T scores).
+    # Cache-free (training, scoring) and prefill attention runs query blocks of this many tokens against only the
+    # keys up to the block's end: a causal mask hides the rest, so the result is the same and ~(n+1)/2n of the score
+    # work remains for n blocks. 0 = one block (the full T x T scores).
     attn_query_block: int = 128
 
     def __post_init__(self):

@@ -293,8 +293,8 @@ class Attention(nn.Module):
 
         blk = cfg.attn_query_block
         if (layer_cache is None or self.fresh) and 0 < blk < T:
-            # No cache (or a fresh one): the keys are these T tokens in slot order, so the causal mask hides every key after a query
-            # block's last token. Each block attends to keys [0, end) only. The hidden keys' exp() is exactly 0, so
+            # No cache (or a fresh one): the keys are these T tokens in slot order, so the causal mask hides every key
+            # after a query block's last token. Each block attends to keys [0, end) only. The hidden keys' exp() is exactly 0, so
             # this is the full computation up to summation order, at ~(n+1)/2n of the score work for n blocks.
             out = jnp.concatenate([
                 attend(qt[:, :, :, lo:lo + blk], kt[:, :, :min(lo + blk, T)], vt[:, :, :min(lo + blk, T)],
@@ -341,8 +341,8 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         cos, sin, bias = attn_in["full"] if "sliding" not in attn_in else _pick(
             is_sliding, attn_in["sliding"], attn_in["full"])
-        h, new_cache = Attention(cfg, self.fresh, name="attn")(_norm(cfg, "input_norm")(x), cos, sin, bias, layer_cache,
-                                                   cache_index)
+        h, new_cache = Attention(cfg, self.fresh, name="attn")(_norm(cfg, "input_norm")(x), cos, sin, bias,
+                                                               layer_cache, cache_index)
         if cfg.sandwich_norms:
             h = _norm(cfg, "attn_out_norm")(h)
         x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
