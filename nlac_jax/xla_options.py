@@ -6,10 +6,10 @@ executable (measured on a 2-core AVX-512 + avx512_bf16 machine, the 97.9M refere
   loses ~60% with it, so it gets nothing.
 - prefill (and a continuous-batching refill, which prefills into free slots), float32: no YNNPACK at all. By default
   YNNPACK takes a whole attention block (scores, softmax, values) as one fusion and runs it at ~30 GFLOP/s: without
-  it a 2-layer prefill of 8 prompts x 2,048 tokens is 23% faster, of 32 x 128 tokens 13% faster (same process,
-  alternating calls).
-- prefill, bfloat16: YNNPACK for individual dots only (26% / 12% faster on the same shapes; no YNNPACK at all is 65%
-  slower at 32 x 128).
+  it a 2-layer prefill of 8 prompts x 2,048 tokens is 23-25% faster, of 32 x 128 tokens 8-13% faster
+  (benchmarks/bench_prefill.py: same process, alternating calls; two runs).
+- prefill, bfloat16: YNNPACK for individual dots only (22-26% / 8-12% faster on the same shapes; no YNNPACK at all
+  is 65% slower at 32 x 128).
 - decode: the default (the alternatives measured within noise, or slower in bfloat16).
 Per executable, not XLA_FLAGS: one global setting would slow some other executable down.
 """
