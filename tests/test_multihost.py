@@ -177,7 +177,8 @@ def _cmd(workdir: str) -> list:
 def _run(jobs: dict, tmp_path, timeout: float = TIMEOUT_S) -> dict:
     """Start every job (name -> (cmd, env)) at once, each in its own session with its output in a file; wait
     for all under ONE deadline. Past it (a hang: e.g. a collective one process never joins) every job's process
-    group is killed and the test fails naming the jobs still running and the tail of their output."""
+    group is killed and the test fails naming the jobs still running and the tail of their output. A job that exits
+    non-zero ends the wait at once (its peers would wait on its collectives until the deadline)."""
     procs, logs = {}, {}
     try:
         for name, (cmd, env) in jobs.items():
@@ -187,9 +188,11 @@ def _run(jobs: dict, tmp_path, timeout: float = TIMEOUT_S) -> dict:
                                                start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+            if any(p.poll() not in (None, 0) for p in procs.values()):
+                break  # one process failed: its peers can never finish their collectives
             time.sleep(0.5)
         hung = [n for n, p in procs.items() if p.poll() is None]
-        if hung:
+        if hung and all(p.poll() in (None, 0) for p in procs.values()):
             tails = "\n".join(f"--- {n}:\n{logs[n].read_text()[-1500:]}" for n in hung)
             pytest.fail(f"{', '.join(hung)} still running after {timeout:.0f} s (killed; a hang?)\n{tails}")
     finally:
@@ -232,7 +235,22 @@ def test_two_processes_equal_one_process(tmp_path):
         jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
                                                    JAX_PROCESS_ID=str(i)))
     t0 = time.monotonic()
-    out = _run(jobs, tmp_path)
+    try:
+        out = _run(jobs, tmp_path)
+    except AssertionError as e:
+        # Seen 2 times in ~6 suite runs (2026-12-01), never explained: orbax's first barrier at start-up fails with
+        # "sync_global_devices name mismatch" before any work. Only that failure is retried, once, from scratch.
+        logs = "".join((tmp_path / f"{n}.log").read_text() for n in jobs)
+        if "sync_global_devices name mismatch" not in logs:
+            raise
+        print(f"retrying once after a start-up barrier mismatch:\n{str(e)[-600:]}")
+        one, two = str(tmp_path / "one_retry"), str(tmp_path / "two_retry")
+        coord = f"localhost:{_free_port()}"
+        jobs = {"one_process": (_cmd(one), _env(2))}
+        for i in range(2):
+            jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
+                                                       JAX_PROCESS_ID=str(i)))
+        out = _run(jobs, tmp_path)
     print(f"runs took {time.monotonic() - t0:.0f} s")
 
     assert "process 0 of 2" in out["process_0"]  # jax.distributed really ran with 2 processes
