@@ -228,12 +228,16 @@ def _loop_state(workdir, step):
 def test_two_processes_equal_one_process(tmp_path):
     """2 demo iterations as 2 processes on localhost == the same run as 1 process with 2 devices: every metric
     (times and the per-process episode count excepted), the exported θ bit for bit, the checkpointed buffer."""
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    coord = f"localhost:{_free_port()}"
-    jobs = {"one_process": (_cmd(one), _env(2))}
-    for i in range(2):
-        jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
-                                                   JAX_PROCESS_ID=str(i)))
+    def jobs_in(suffix=""):  # the 1-process run and the 2 processes of the other, in their own workdirs
+        one, two = str(tmp_path / f"one{suffix}"), str(tmp_path / f"two{suffix}")
+        coord = f"localhost:{_free_port()}"
+        jobs = {"one_process": (_cmd(one), _env(2))}
+        for i in range(2):
+            jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
+                                                       JAX_PROCESS_ID=str(i)))
+        return one, two, jobs
+
+    one, two, jobs = jobs_in()
     t0 = time.monotonic()
     try:
         out = _run(jobs, tmp_path)
@@ -244,12 +248,7 @@ def test_two_processes_equal_one_process(tmp_path):
         if "sync_global_devices name mismatch" not in logs:
             raise
         print(f"retrying once after a start-up barrier mismatch:\n{str(e)[-600:]}")
-        one, two = str(tmp_path / "one_retry"), str(tmp_path / "two_retry")
-        coord = f"localhost:{_free_port()}"
-        jobs = {"one_process": (_cmd(one), _env(2))}
-        for i in range(2):
-            jobs[f"process_{i}"] = (_cmd(two), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
-                                                       JAX_PROCESS_ID=str(i)))
+        one, two, jobs = jobs_in("_retry")
         out = _run(jobs, tmp_path)
     print(f"runs took {time.monotonic() - t0:.0f} s")
 
