@@ -31,12 +31,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
-    """Load the tokenizer stored in a local model directory (HF layout), never touching the network.
+    """Load the tokenizer stored in a model directory (HF layout, local or gs://), never touching the hub.
 
     Returns a `transformers.PreTrainedTokenizerFast` (transformers 5: `TokenizersBackend`).
     Raises FileNotFoundError naming `model_dir` if it holds no tokenizer files.
     """
     model_dir = os.fspath(model_dir)
+    from nlac_jax import fs
+    if fs.is_remote(model_dir):  # transformers reads local files only: copy the directory's small files once
+        return load_tokenizer(fs.local_copy_of_small_files(model_dir))
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
     present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]

@@ -37,31 +37,31 @@ def _level(v) -> Optional[int]:
 
 def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> list:
     """Tasks from a MATH-style JSONL (problem, answer or solution, level, subject); ``hard_only`` keeps level 5."""
-    if not os.path.isfile(path):
+    from nlac_jax import fs  # local or gs://
+    if not fs.isfile(path):
         raise FileNotFoundError(f"math JSONL not found: {path}")
     tasks = []
-    with open(path, encoding='utf-8') as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: invalid JSON ({e})") from None
-            if 'problem' not in row:
-                raise ValueError(f"{path}:{ln}: missing key 'problem'")
-            answer = row.get('answer')
-            if answer is None and 'solution' in row:
-                answer = extract_answer(row['solution'])
-            if answer is None:
-                raise ValueError(f"{path}:{ln}: no 'answer' and no boxed answer in 'solution'")
-            level = _level(row.get('level'))
-            if hard_only and level != 5:
-                continue
-            tid = row.get('unique_id') or row.get('id') or f'{os.path.basename(path)}:{ln}'
-            tasks.append(Task(id=str(tid), split=split, payload={
-                'problem': row['problem'], 'answer': str(answer), 'level': level,
-                'subject': row.get('subject') or row.get('type'), 'solution': row.get('solution')}))
+    for ln, line in enumerate(fs.read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{ln}: invalid JSON ({e})") from None
+        if 'problem' not in row:
+            raise ValueError(f"{path}:{ln}: missing key 'problem'")
+        answer = row.get('answer')
+        if answer is None and 'solution' in row:
+            answer = extract_answer(row['solution'])
+        if answer is None:
+            raise ValueError(f"{path}:{ln}: no 'answer' and no boxed answer in 'solution'")
+        level = _level(row.get('level'))
+        if hard_only and level != 5:
+            continue
+        tid = row.get('unique_id') or row.get('id') or f'{os.path.basename(path)}:{ln}'
+        tasks.append(Task(id=str(tid), split=split, payload={
+            'problem': row['problem'], 'answer': str(answer), 'level': level,
+            'subject': row.get('subject') or row.get('type'), 'solution': row.get('solution')}))
     return tasks
 
 

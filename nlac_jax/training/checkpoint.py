@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nlac_jax import fs
 from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
@@ -255,7 +256,7 @@ class Checkpointer:
                  verify_after_write: bool = True, fingerprint: dict | None = None):
         if keep is not None and int(keep) < 1:
             raise ValueError(f"Checkpointer keep={keep!r}: expected an integer >= 1 or None (keep all)")
-        self.directory = os.path.abspath(directory)
+        self.directory = fs.abspath(directory)  # local or gs:// (orbax and tensorstore speak both)
         self.save_every = int(save_every)
         self.keep = None if keep is None else int(keep)
         self.async_save = async_save
@@ -492,13 +493,13 @@ class Checkpointer:
         """Rename bad step directories to `<step>.corrupt[-n]` (kept for inspection, invisible to orbax)."""
         moved = {}
         for s in steps:
-            src = os.path.join(self.directory, str(s))
+            src = fs.join(self.directory, str(s))
             dst, n = src + ".corrupt", 1
-            while os.path.exists(dst):
+            while fs.exists(dst):
                 dst, n = f"{src}.corrupt-{n}", n + 1
             moved[s] = dst
-            if jax.process_index() == 0 and os.path.isdir(src):
-                os.rename(src, dst)
+            if jax.process_index() == 0 and fs.isdir(src):
+                fs.rename(src, dst)
             self._verified.discard(s)
         _sync("nlac_checkpoint_move_aside")
         self._mngr.reload()
