@@ -512,8 +512,20 @@ def _close_after_error(r: "NLACRun", writer: "MetricsWriter | None") -> None:
 
 
 def run(workdir: str) -> list[dict]:
-    """Run (or resume) the gin-configured NLAC loop in `workdir`. Returns the metrics of this invocation ([] when
-    the run had already finished every iteration: it says so in one line and builds nothing)."""
+    """Run (or resume) the gin-configured NLAC loop in `workdir` (local or gs://). Returns the metrics of this
+    invocation ([] when the run had already finished every iteration: it says so in one line and builds nothing).
+    One run per workdir: while this one runs, another started on `workdir` refuses at start-up (run_lock)."""
+    from nlac_jax import run_lock
+    from nlac_jax.distributed import Processes
+    lock = run_lock.acquire(workdir, Processes.current())  # decided on process 0, broadcast
+    try:
+        return _run(workdir)
+    finally:
+        lock.release()
+
+
+def _run(workdir: str) -> list[dict]:
+    """`run` once the workdir's lock is held."""
     import jax
     from tqdm import tqdm
 
