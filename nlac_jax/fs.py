@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import logging
 import os
 import posixpath
 import re
@@ -71,6 +72,8 @@ def emulator() -> str | None:
 
 
 configure()
+# fsspec logs one INFO line per gs:// file opened (its read-ahead cache's settings): noise in the run's log
+logging.getLogger("fsspec.caching").setLevel(logging.WARNING)
 
 
 # ----------------------------------------------------------------------------- paths
