@@ -242,3 +242,23 @@ def test_lock_decided_on_process_0_and_broadcast(tmp_path):
             assert all(isinstance(x, run_lock.RunLock) for x in out)
             out[0].release()
             out[1].release()
+
+
+def test_train_refuses_a_workdir_in_use_in_one_line(tmp_path):
+    """`python -m nlac_jax.train` on a workdir whose lock another process holds: exit 1 at start-up, one line naming
+    the holder (the loop takes the lock before it builds anything)."""
+    workdir = str(tmp_path / "run")
+    holder = _hold(workdir, dict(os.environ, PYTHONPATH=REPO))
+    try:
+        cmd = [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
+               f"--workdir={workdir}", "--gin_param=LoopConfig.iterations = 1"]
+        res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                             text=True, timeout=600)
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"python -m nlac_jax.train: error: RunLockedError: workdir {workdir} is in use by the run "
+                           f"on host {socket.gethostname()} (pid {holder.pid}) since 20"), last
+    assert "Traceback" not in res.stderr and not os.path.exists(os.path.join(workdir, "config.gin"))
