@@ -23,7 +23,8 @@ credentials or a metadata server (every request stays on that host):
 Always (emulator or not): etils.epath uses gcsfs, not TensorFlow's gfile (installed with the seqio extra, another GCS
 client with its own credential rules), and gcsfs's experimental zonal-bucket probe (a gRPC call to the storage control
 API for every bucket) is off. Both are environment settings, so they must be in place before gcsfs is imported:
-import this module first (nlac_jax/__init__ does).
+import this module first (nlac_jax/__init__ does). gcsfs keeps no listings cache (other hosts and tensorstore write
+objects it would not see).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def configure(environ=os.environ) -> None:
     settings already in the environment are kept, except that an emulator always wins over a real endpoint."""
     environ.setdefault("EPATH_USE_TF", "false")
     environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    if environ is os.environ:
+        import fsspec
+        # no cached listings: tensorstore writes the checkpoints' objects behind gcsfs's back, and other hosts write
+        # too, so a listing remembered by this process would hide new steps (a lock epoch, a finished run)
+        fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
     url = environ.get(EMULATOR_VAR, "")
     if not url or url == "default":
         return
@@ -60,9 +66,9 @@ def configure(environ=os.environ) -> None:
     for var in ("GCE_METADATA_HOST", "GCE_METADATA_ROOT", "GCE_METADATA_IP"):
         environ[var] = _CLOSED_LOCAL
     environ["NO_GCE_CHECK"] = "true"
-    import fsspec
-    for protocol in ("gs", "gcs"):
-        fsspec.config.conf.setdefault(protocol, {})["token"] = "anon"
+    if environ is os.environ:
+        import fsspec
+        fsspec.config.conf.setdefault("gcs", {})["token"] = "anon"
 
 
 def emulator() -> str | None:
