@@ -87,13 +87,12 @@ _NO_SPACE = re.compile(r"No space left on device|ENOSPC|\[OS error 28\]|Disk quo
 
 
 class _NoSpaceNoise(logging.Filter):
-    """Drops orbax's own log records of a full disk or bucket (a traceback per writer thread, ~300 lines): the
-    CheckpointSpaceError that the run raises says it in one line. Every other record passes."""
+    """On the loggers orbax's writers report through (absl's; asyncio's, for the writes still pending at exit):
+    drops the records of a full disk or bucket (a traceback per writer thread, ~300 lines), which the run's
+    CheckpointSpaceError says in one line. Every other record passes."""
     seen = False  # a no-space error was seen: its stragglers (threads cut off at exit) are noise too
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" not in record.pathname:
-            return True
         exc = record.exc_info[1] if record.exc_info else None
         if (exc is not None and _no_space(exc)) or _NO_SPACE.search(record.getMessage()):
             _NoSpaceNoise.seen = True
@@ -317,8 +316,9 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
-        if _NO_SPACE_FILTER not in logging.getLogger("absl").filters:  # orbax logs through absl's logger
-            logging.getLogger("absl").addFilter(_NO_SPACE_FILTER)
+        for name in ("absl", "asyncio"):  # orbax logs through absl's logger; asyncio reports abandoned writes
+            if _NO_SPACE_FILTER not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_NO_SPACE_FILTER)
         self._no_space = False  # a save did not fit: close() only releases orbax's threads
         self._verified: set[int] = set()  # steps read back and found intact (this process's lifetime)
         self._pending: dict[int, tuple] = {}  # step -> (abstract state, checksums, loop_state sha) until verified
