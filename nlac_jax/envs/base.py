@@ -15,6 +15,10 @@ Conventions
   requests of all active episodes with one call per model function, so those calls are batched like the policy's.
 * Observations are appended to the history as ``user`` messages (tool results included, see ``tau_bench.py``):
   keeping to three roles keeps every chat template happy.
+* An observation holds only what the agent may see, also at the end of an episode: a hidden answer (20 Questions'
+  object, the toy's number, math's reference) goes in ``info``, never in the text. Critic targets for terminal
+  steps quote the final observation (``nlac`` terminal summaries), and the successor must not be taught to write
+  what it cannot know from (s_t, a_t).
 """
 
 from __future__ import annotations
