@@ -34,6 +34,8 @@ def build_parser() -> cli.ArgumentParser:
                    help="most requests in one sampler call (default 32)")
     p.add_argument("--batch_wait_ms", type=cli.finite_at_least(0.0), default=5.0,
                    help="how long the batcher waits for more requests after the first (default 5 ms)")
+    p.add_argument("--max_body_mb", type=cli.finite_at_least(0.001), default=16.0,
+                   help="largest request body accepted, in MiB; larger gets HTTP 413 (default 16)")
     p.add_argument("--default_max_tokens", type=cli.int_at_least(1), default=256,
                    help="max_tokens when a request sends none (default 256)")
     return p
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
     name = flags.name or os.path.basename(os.path.normpath(flags.model_dir))
     model = models.load_pretrained(flags.model_dir, dtype=flags.dtype)
     server = JudgeServer(model, name, max_batch=flags.max_batch, batch_wait_s=flags.batch_wait_ms / 1000.0,
-                         default_max_tokens=flags.default_max_tokens)
+                         default_max_tokens=flags.default_max_tokens,
+                         max_body_bytes=int(flags.max_body_mb * (1 << 20)))
     try:
         server.serve_forever(flags.host, flags.port)
     except OSError as e:

@@ -105,6 +105,87 @@ def test_server_models_and_bad_requests(served):
     assert r["usage"]["completion_tokens"] <= 3 and r["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def _raw_post(port: int, body: bytes, headers: dict | None = None, send: bytes | None = None):
+    """POST /v1/chat/completions over a plain socket, so the test controls every header and byte: `headers` replace
+    the default Content-Length; `send` (default `body`) is what actually goes on the wire. Returns (status, error)."""
+    hdrs = {"Content-Length": str(len(body)), "Content-Type": "application/json", **(headers or {})}
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None) + "\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(head.encode() + (body if send is None else send))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data:
+                head_end = data.index(b"\r\n\r\n")
+                length = int(next(l.split(b":")[1] for l in data[:head_end].split(b"\r\n")
+                                  if l.lower().startswith(b"content-length")))
+                if len(data) >= head_end + 4 + length:
+                    break
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data[data.index(b"\r\n\r\n") + 4:])["error"]
+
+
+def _chunked(body: bytes, size: int = 100) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+def test_server_refuses_hostile_bodies_with_one_line(served, model_dir):
+    """Invalid UTF-8 is a 400 (never replaced and answered), JSON nested 100,000 deep a 400 (no traceback, no 500),
+    a body past the limit a 413: from Content-Length before any body byte is read, and while reading a chunked body;
+    a body that never finishes arriving a 408. The server answers normally afterwards."""
+    server, url = served
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    good = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    errors_before = server.stats["errors"]
+    status, err = _raw_post(port, json.dumps(good).replace("hi", "h\u00e9").encode()[:-1] + b"\xff\xfe}")
+    assert status == 400 and "not valid UTF-8" in err["message"], err
+    body = b'{"model": "tiny-judge", "messages": [{"role": "user", "content": "\xc3("}]}'
+    status, err = _raw_post(port, body)
+    at = body.index(b"\xc3")
+    assert status == 400 and err["message"] == (f"the body is not valid UTF-8 (byte {at}: invalid "
+                                                f"continuation byte)"), err
+    for deep in [b"[" * 100_000 + b"]" * 100_000,
+                 b'{"model": "tiny-judge", "stop": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001]:
+        status, err = _raw_post(port, deep)
+        assert status == 400 and err["message"] == "the body's JSON is nested too deeply", err
+    limit = server.max_body_bytes
+    # the header alone is refused: no body byte is ever sent, so a server that tried to read it would wait (408)
+    status, err = _raw_post(port, b"", headers={"Content-Length": str(limit + 1)})
+    assert status == 413 and err["message"] == (f"the request body is too large ({limit + 1} bytes): this server "
+                                                f"accepts at most {limit} bytes"), err
+    assert server.stats["errors"] == errors_before  # none of these reached the 500 path
+    # the server still serves
+    r = requests.post(url + "/chat/completions", json={**good, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    # a small limit and a short socket timeout on a second server (same model, no sampling needed)
+    small = JudgeServer(models.load_pretrained(model_dir), NAME, max_body_bytes=1000, body_timeout_s=1.0)
+    sport = small.start("127.0.0.1", 0)
+    try:
+        big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+        status, err = _raw_post(sport, big, headers={"Content-Length": None, "Transfer-Encoding": "chunked"},
+                                send=_chunked(big))
+        assert status == 413 and err["message"] == ("the request body is too large: this server accepts at most "
+                                                    "1000 bytes"), err
+        under = json.dumps({**good, "n": 3}).encode()  # under the limit, chunked: read and validated as usual
+        status, err = _raw_post(sport, under, headers={"Content-Length": None, "Transfer-Encoding": "chunked"},
+                                send=_chunked(under, 7))
+        assert status == 400 and err["param"] == "n", err
+        # Content-Length says 500, 20 bytes come, then nothing: the read times out, the thread is freed
+        status, err = _raw_post(sport, b"x" * 500, send=b'{"model": "tiny-jud')
+        assert status == 408 and err["message"].startswith("the request body did not arrive"), err
+        # a Content-Length smaller than what is sent: only that many bytes are read (here: a cut-off JSON)
+        status, err = _raw_post(sport, b"{", headers={"Content-Length": "5"}, send=big)
+        assert status == 400 and "not valid JSON" in err["message"], err
+        # no Content-Length and no chunking: an empty body, never an unbounded read
+        status, err = _raw_post(sport, b"", headers={"Content-Length": None}, send=b"")
+        assert status == 400 and "not valid JSON" in err["message"], err
+    finally:
+        small.shutdown()
+
+
 def test_cache_hits_make_no_http_call_and_survive_a_new_client(served, tmp_path):
     server, url = served
     chats = [[{"role": "user", "content": "is it an animal?"}], [{"role": "user", "content": "is it big?"}]]

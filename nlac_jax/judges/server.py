@@ -9,7 +9,10 @@ point of a judge server: the client sends its batch concurrently). Only the work
 Bad requests get HTTP 400 (404 for an unknown model) with OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one. A prompt
 whose tokens plus ``max_tokens`` exceed the model's context is one of them (as vLLM does): never cut, which would
-drop the judge's instructions at the start.
+drop the judge's instructions at the start. The body must be UTF-8 JSON (RFC 8259; invalid bytes are refused, not
+replaced) of at most ``max_body_bytes``: a larger ``Content-Length`` gets 413 before the body is read, and a chunked
+body is cut off at the limit while it is read (Werkzeug's ``max_content_length``); a body that stops arriving gets 408
+after ``body_timeout_s``. JSON nested past the parser's recursion limit is a 400.
 ``GET /stats`` (not part of the OpenAI API) reports the batching counters.
 """
 
@@ -24,8 +27,8 @@ import threading
 import time
 import uuid
 
-from werkzeug.exceptions import HTTPException
-from werkzeug.serving import make_server
+from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.serving import WSGIRequestHandler, make_server
 from werkzeug.wrappers import Request, Response
 
 log = logging.getLogger("nlac_jax.judges.server")
@@ -40,7 +43,8 @@ class BadRequest(ValueError):
 
 
 def _error(status: int, message: str, param: str | None = None) -> Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout",
+            413: "RequestTooLarge"}.get(status, "InternalServerError")
     body = {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
     return Response(json.dumps(body), status=status, mimetype="application/json")
 
@@ -69,16 +73,21 @@ class JudgeServer:
       max_batch: most requests in one sampler call.
       batch_wait_s: after the first waiting request, how long the worker waits for more before sampling.
       default_max_tokens: ``max_tokens`` when a request sends none.
+      max_body_bytes: the largest request body accepted (413 above it). 16 MiB holds a full 128k-token context
+        as JSON with room to spare.
+      body_timeout_s: how long a socket read (a request's line, headers or body) may wait for the client before
+        the request is dropped (408 while reading the body); it never limits the time spent sampling.
     """
 
     def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0):
         from nlac_jax import sampling, text
         if model.tokenizer is None:
             raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
         self.model, self.name, self.tok = model, name, model.tokenizer
         self.max_batch, self.batch_wait_s, self.default_max_tokens = int(max_batch), float(batch_wait_s), \
             int(default_max_tokens)
+        self.max_body_bytes, self.body_timeout_s = int(max_body_bytes), float(body_timeout_s)
         self.sampler = sampling.Sampler(model.config)
         self.stop_ids = text.stop_token_ids(self.tok)
         self.created = int(time.time())
@@ -126,8 +135,13 @@ class JudgeServer:
 
     def _chat(self, request: Request) -> Response:
         from nlac_jax import text
+        raw = self._read_body(request)
         try:
-            body = json.loads(request.get_data(as_text=True))
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"the body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+        except RecursionError:
+            raise BadRequest("the body's JSON is nested too deeply") from None
         except ValueError as e:
             raise BadRequest(f"the body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
@@ -176,6 +190,31 @@ class JudgeServer:
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                       "total_tokens": n_prompt + n_completion}})
 
+    def _read_body(self, request: Request) -> bytes:
+        """The body's bytes, at most ``max_body_bytes`` of them (413 past that, 408 when they stop arriving)."""
+        limit, claimed = self.max_body_bytes, request.content_length
+        too_large = f"this server accepts at most {limit} bytes"
+        if claimed is not None and claimed > limit:  # refused from the header, before a byte of the body is read
+            raise BadRequest(f"the request body is too large ({claimed} bytes): {too_large}", status=413)
+        # A chunked body has no Content-Length: Werkzeug then stops the stream one byte past the limit (set before
+        # the first access to `stream`), so reading limit + 1 bytes tells "too large" from "exactly the limit".
+        # Without either, Werkzeug gives an empty stream, never an unbounded read.
+        request.max_content_length = limit + 1
+        parts, total = [], 0
+        try:
+            while total <= limit:
+                part = request.stream.read(min(1 << 16, limit + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+        except (OSError, ClientDisconnected) as e:  # the socket timed out or closed before Content-Length came
+            raise BadRequest(f"the request body did not arrive ({total} of {claimed} bytes came; "
+                             f"{type(e).__name__})", status=408) from None
+        if total > limit:
+            raise BadRequest(f"the request body is too large: {too_large}", status=413)
+        return b"".join(parts)
+
     # ------------------------------------------------------------------ the batching worker
     def _take(self) -> list:
         items = [self._queue.get()]
@@ -215,15 +254,21 @@ class JudgeServer:
                             fut.set_exception(BadRequest(f"sampling failed ({type(e).__name__}: {e})"))
 
     # ------------------------------------------------------------------ serving
+    def _make_server(self, host: str, port: int):
+        # StreamRequestHandler puts `timeout` on each connection's socket: a client that stops sending (a lying
+        # Content-Length, a slow drip) frees its thread after body_timeout_s instead of holding it forever.
+        handler = type("JudgeRequestHandler", (WSGIRequestHandler,), {"timeout": self.body_timeout_s})
+        return make_server(host, port, self, threaded=True, request_handler=handler)
+
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in a background thread (threaded Werkzeug server); returns the bound port (port 0: a free one)."""
-        self._http = make_server(host, port, self, threaded=True)
+        self._http = self._make_server(host, port)
         threading.Thread(target=self._http.serve_forever, name="judge-http", daemon=True).start()
         return self._http.server_port
 
     def serve_forever(self, host: str = "127.0.0.1", port: int = 8000) -> None:
         """Serve in this thread until interrupted."""
-        self._http = make_server(host, port, self, threaded=True)
+        self._http = self._make_server(host, port)
         log.info("serving %s on http://%s:%d/v1", self.name, host, self._http.server_port)
         self._http.serve_forever()
 
