@@ -14,6 +14,11 @@ its own actions. After the rollout the episodes are gathered, so what follows (t
 checkpoints) sees the same data on every process, and every collective JAX call is made by every process with the
 same shapes, in the same order.
 
+On a Cloud TPU slice, launch/run_pod.sh runs the same `python -m nlac_jax.train ... --multihost` on every worker
+with `JAX_NUM_PROCESSES` set; `jax.distributed.initialize` then finds the coordinator and this worker's process id
+in the TPU VM metadata. The tests start the processes themselves with `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` and
+`JAX_COORDINATOR_ADDRESS` (localhost).
+
 Exchanges go through `jax.experimental.multihost_utils.process_allgather` on byte arrays (the device collectives,
 gloo on CPU), as UTF-8 JSON (never pickle: nothing a peer sends is executed). What crosses is plain JSON values:
 histories (message dicts), episodes as `Episode.to_dict()` (their transitions through `Transition.to_dict`), the
@@ -42,9 +47,9 @@ TPU_WORKER_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
 def expected_process_count(environ=None) -> int | None:
     """How many processes this run has according to the environment, or None when it does not say.
 
-    `JAX_NUM_PROCESSES` (set by our launch scripts and the tests) wins; otherwise a TPU pod's worker list
-    (`TPU_PROCESS_ADDRESSES` / `TPU_WORKER_HOSTNAMES`, times `MEGASCALE_NUM_SLICES`). ValueError (one line naming
-    the variable) for a value that is not a positive integer."""
+    `JAX_NUM_PROCESSES` (set by launch/run_pod.sh to the slice's worker count, and by the tests) wins; otherwise a
+    GKE TPU pod's worker list (`TPU_PROCESS_ADDRESSES` / `TPU_WORKER_HOSTNAMES`, times `MEGASCALE_NUM_SLICES`).
+    ValueError (one line naming the variable) for a value that is not a positive integer."""
     env = os.environ if environ is None else environ
     raw = env.get(NUM_PROCESSES_VAR)
     if raw is not None and raw.strip():
