@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 import requests
 
@@ -186,6 +187,63 @@ def test_server_refuses_hostile_bodies_with_one_line(served, model_dir):
         small.shutdown()
 
 
+def test_served_on_a_mesh_and_in_bfloat16_answers_as_the_single_device_float32_one(served, model_dir):
+    """`serve --tensor 2 --fsdp 2`: greedy replies over HTTP equal the one-device float32 server's, token for token,
+    with more requests than decoding rows (continuous batching). `--dtype bfloat16 --tensor 2`: the served model's
+    logits are the float32 model's to bfloat16 precision, and it answers."""
+    import numpy as np
+
+    from nlac_jax import serve, sharding
+    _, url = served
+    chats = [[{"role": "user", "content": f"question {i}: is it a kind of {w}?"}]
+             for i, w in enumerate(["fruit", "tool", "bird", "river", "planet", "song"])]
+    ref = _client(url).complete(chats)
+    mesh = serve.make_mesh(tensor=2, fsdp=2)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+    tp = JudgeServer(models.load_pretrained(model_dir, mesh=mesh), NAME, mesh=mesh, max_batch=4, batch_wait_s=0.2,
+                     default_max_tokens=8)
+    calls = []
+    generate = tp.sampler.generate
+
+    def spy(params, prompts, *a, **kw):
+        calls.append((len(prompts), kw.get("slots")))
+        return generate(params, prompts, *a, **kw)
+    tp.sampler.generate = spy
+    port = tp.start("127.0.0.1", 0)
+    try:
+        got = _client(f"http://127.0.0.1:{port}/v1", timeout_s=900).complete(chats)  # a first call compiles
+    finally:
+        tp.shutdown()
+    assert [(r["content"], r["usage"], r["finish_reason"]) for r in got] == \
+        [(r["content"], r["usage"], r["finish_reason"]) for r in ref]
+    assert sum(n for n, _ in calls) == 6 and all(slots == 4 for _, slots in calls), calls  # 4 rows decode at once
+    # a sharded weight really is split: the q projection's heads over 'tensor'
+    q = tp.model.params["layers"]["attn"]["q_proj"]["kernel"]
+    assert "tensor" in str(q.sharding.spec), q.sharding
+
+    mesh2 = serve.make_mesh(tensor=2, fsdp=1)
+    bf = models.load_pretrained(model_dir, dtype="bfloat16", mesh=mesh2)
+    assert {str(x.dtype) for x in jax.tree.leaves(bf.params)} == {"bfloat16"}
+    f32 = models.load_pretrained(model_dir)
+    ids = np.asarray([text.encode_chat(f32.tokenizer, chats[0])], np.int32)
+    with sharding.use_mesh(mesh2):
+        lb = np.asarray(bf.logits(ids), np.float32)
+    lf = np.asarray(f32.logits(ids), np.float32)
+    err = float(np.max(np.abs(lb - lf)))
+    assert err < 0.05 * float(np.max(np.abs(lf))), (err, float(np.max(np.abs(lf))))  # bf16: ~3 digits
+    top2 = np.sort(lf[0], axis=-1)[:, -2:]
+    sure = (top2[:, 1] - top2[:, 0]) > 2 * err  # where rounding cannot flip the greedy choice
+    assert sure.any() and (lb[0].argmax(-1)[sure] == lf[0].argmax(-1)[sure]).all()
+    bfs = JudgeServer(bf, NAME, mesh=mesh2, default_max_tokens=4)
+    port = bfs.start("127.0.0.1", 0)
+    try:
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600,
+                          json={"model": NAME, "messages": chats[0], "max_tokens": 4})
+    finally:
+        bfs.shutdown()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+
+
 def test_cache_hits_make_no_http_call_and_survive_a_new_client(served, tmp_path):
     server, url = served
     chats = [[{"role": "user", "content": "is it an animal?"}], [{"role": "user", "content": "is it big?"}]]
@@ -334,6 +392,11 @@ def test_serve_cli_subprocess(model_dir):
     bad = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", "/no/such/dir"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "/no/such/dir" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    big = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", model_dir, "--tensor", "4",
+                          "--fsdp", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = big.stderr.strip().splitlines()
+    assert big.returncode == 2 and len(lines) == 1 and "--tensor 4 --fsdp 4 need 16 devices, this host has 8" \
+        in lines[0], big.stderr
 
 
 class FakeEndpoint:

@@ -2,9 +2,13 @@
 
 ``JudgeServer`` is a Werkzeug WSGI app plus one batching worker: each HTTP request (one thread each, Werkzeug's
 threaded server) validates its JSON, renders the chat with the tokenizer's template and puts the prompt on a queue;
-the worker takes what is waiting (up to ``max_batch``, after a short ``batch_wait_s`` for stragglers), groups it by
+the worker takes what is waiting (up to ``max_waiting``, after a short ``batch_wait_s`` for stragglers), groups it by
 sampling settings, and calls ``Sampler.generate`` once per group, so concurrent clients share one sampler call (the
-point of a judge server: the client sends its batch concurrently). Only the worker touches JAX.
+point of a judge server: the client sends its batch concurrently). A group larger than ``max_batch`` is decoded by
+the sampler's continuous batching: ``max_batch`` rows at once, each finished row refilled with a waiting request,
+so no row idles until the longest reply ends (requests that arrive during a call wait for the next one). Only the
+worker touches JAX. With a ``mesh`` (``serve --tensor N --fsdp M``) the model's weights are sharded over it and the
+sampler runs every call on all of its devices.
 
 Bad requests get HTTP 400 (404 for an unknown model) with OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one. A prompt
@@ -70,8 +74,10 @@ class JudgeServer:
     Args:
       model: an ``nlac_jax.models.Model`` with its tokenizer.
       name: the model id clients send as ``model`` (vLLM: the served model name).
-      max_batch: most requests in one sampler call.
+      max_batch: rows the sampler decodes at once (its continuous-batching slots).
+      max_waiting: most requests taken into one round of sampler calls (default 4 x max_batch).
       batch_wait_s: after the first waiting request, how long the worker waits for more before sampling.
+      mesh: the jax Mesh the model's weights are laid out on (models.load_pretrained(mesh=...)); None: one device.
       default_max_tokens: ``max_tokens`` when a request sends none.
       max_body_bytes: the largest request body accepted (413 above it). 16 MiB holds a full 128k-token context
         as JSON with room to spare.
@@ -80,7 +86,8 @@ class JudgeServer:
     """
 
     def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
-                 default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0):
+                 default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0,
+                 mesh=None, max_waiting: int | None = None):
         from nlac_jax import sampling, text
         if model.tokenizer is None:
             raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
@@ -88,7 +95,9 @@ class JudgeServer:
         self.max_batch, self.batch_wait_s, self.default_max_tokens = int(max_batch), float(batch_wait_s), \
             int(default_max_tokens)
         self.max_body_bytes, self.body_timeout_s = int(max_body_bytes), float(body_timeout_s)
-        self.sampler = sampling.Sampler(model.config)
+        self.max_waiting = int(max_waiting) if max_waiting is not None else 4 * self.max_batch
+        self.mesh = mesh
+        self.sampler = sampling.Sampler(model.config, mesh=mesh)
         self.stop_ids = text.stop_token_ids(self.tok)
         self.created = int(time.time())
         self._queue: queue.Queue = queue.Queue()
@@ -219,7 +228,7 @@ class JudgeServer:
     def _take(self) -> list:
         items = [self._queue.get()]
         deadline = time.monotonic() + self.batch_wait_s
-        while len(items) < self.max_batch:
+        while len(items) < self.max_waiting:
             left = deadline - time.monotonic()
             try:
                 items.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
@@ -242,7 +251,7 @@ class JudgeServer:
                     out = self.sampler.generate(self.model.params, [g[1] for g in group], max_tokens,
                                                 temperature=temperature, top_p=top_p, stop_token_ids=self.stop_ids,
                                                 stop_strings=stop, seed=next(self._seeds), tokenizer=self.tok,
-                                                overflow="error")
+                                                overflow="error", slots=self.max_batch)
                     with self._lock:
                         self.stats["sampler_calls"] += 1
                     for i, (_, ids, fut) in enumerate(group):
