@@ -11,15 +11,18 @@ done
 set -- ${ARGS[@]+"${ARGS[@]}"}
 : "${TPU_NAME:?set TPU_NAME}"
 : "${ZONE:?set ZONE}"
+SCRIPT="$(basename "$0" .sh)"
+die() { echo "$SCRIPT: $1" >&2; exit 1; }
 if [[ "$DRY_RUN" == 1 ]]; then
   PROJECT="${PROJECT:-<project>}"
 else
-  PROJECT="${PROJECT:-$(gcloud config get-value project 2>/dev/null)}"
+  command -v gcloud >/dev/null 2>&1 || die "gcloud is not on PATH (install the Google Cloud CLI, or use --dry-run)"
+  PROJECT="${PROJECT:-$(gcloud config get-value project 2>/dev/null || true)}"
+  [[ -n "$PROJECT" ]] || die "no project: set PROJECT or run 'gcloud config set project ...'"
 fi
 ACCEL="${ACCEL:-v5p-8}"
 RUNTIME="${RUNTIME:-v2-alpha-tpuv5}"
 REMOTE_DIR="${REMOTE_DIR:-~/nlac_jax}"
-JAX_TPU_SPEC="${JAX_TPU_SPEC:-jax[tpu]==0.10.2}"
 
 # run "$@" (a gcloud command), or print it shell-quoted with --dry-run
 run() {

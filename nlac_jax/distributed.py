@@ -14,15 +14,23 @@ its own actions. After the rollout the episodes are gathered, so what follows (t
 checkpoints) sees the same data on every process, and every collective JAX call is made by every process with the
 same shapes, in the same order.
 
+On a Cloud TPU slice, launch/run_pod.sh runs the same `python -m nlac_jax.train ... --multihost` on every worker
+with `JAX_NUM_PROCESSES` set; `jax.distributed.initialize` then finds the coordinator and this worker's process id
+in the TPU VM metadata. The tests start the processes themselves with `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` and
+`JAX_COORDINATOR_ADDRESS` (localhost).
+
 Exchanges go through `jax.experimental.multihost_utils.process_allgather` on byte arrays (the device collectives,
-gloo on CPU), as pickles: peers are the processes of this one run, never another party.
+gloo on CPU), as UTF-8 JSON (never pickle: nothing a peer sends is executed). What crosses is plain JSON values:
+histories (message dicts), episodes as `Episode.to_dict()` (their transitions through `Transition.to_dict`), the
+checkpoint records. Every process decodes every part, its own included, so all of them hold the same values (a
+tuple arrives as a list on every process, not only on the others).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -39,9 +47,9 @@ TPU_WORKER_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
 def expected_process_count(environ=None) -> int | None:
     """How many processes this run has according to the environment, or None when it does not say.
 
-    `JAX_NUM_PROCESSES` (set by our launch scripts and the tests) wins; otherwise a TPU pod's worker list
-    (`TPU_PROCESS_ADDRESSES` / `TPU_WORKER_HOSTNAMES`, times `MEGASCALE_NUM_SLICES`). ValueError (one line naming
-    the variable) for a value that is not a positive integer."""
+    `JAX_NUM_PROCESSES` (set by launch/run_pod.sh to the slice's worker count, and by the tests) wins; otherwise a
+    GKE TPU pod's worker list (`TPU_PROCESS_ADDRESSES` / `TPU_WORKER_HOSTNAMES`, times `MEGASCALE_NUM_SLICES`).
+    ValueError (one line naming the variable) for a value that is not a positive integer."""
     env = os.environ if environ is None else environ
     raw = env.get(NUM_PROCESSES_VAR)
     if raw is not None and raw.strip():
@@ -147,16 +155,28 @@ class Processes:
         return [rows[i, :int(lengths[i])].tobytes() for i in range(self.count)]
 
     def allgather_objects(self, obj: Any) -> list:
-        """Every process's `obj` (any picklable value), in process order (collective)."""
+        """Every process's `obj`, a JSON value (dicts with str keys, lists, str, int, finite float, bool, None), in
+        process order (collective); see the module docstring. A value JSON cannot carry is refused here, on the
+        sender, with a TypeError/ValueError naming what it is (not turned into something else)."""
         if self.count == 1:
             return [obj]
-        return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))]
+        try:
+            data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Processes.allgather_objects: the value is not plain JSON ({e})") from None
+        return [json.loads(b.decode("utf-8")) for b in self.allgather_bytes(data)]
 
-    def gather(self, local: Sequence) -> list:
-        """The processes' lists concatenated in process order (collective): the inverse of `share`."""
+    def gather(self, local: Sequence, encode: Callable[[Any], Any] | None = None,
+               decode: Callable[[Any], Any] | None = None) -> list:
+        """The processes' lists concatenated in process order (collective): the inverse of `share`.
+
+        encode / decode: item -> JSON value and back (e.g. `Episode.to_dict` / `Episode.from_dict`), for items
+        that are not JSON values themselves; with several processes every item (this process's too) comes back
+        through decode, so all processes hold equal items."""
         if self.count == 1:
             return list(local)
-        return [x for part in self.allgather_objects(list(local)) for x in part]
+        parts = self.allgather_objects([x if encode is None else encode(x) for x in local])
+        return [x if decode is None else decode(x) for part in parts for x in part]
 
     def collective_policy(self, policy_fn: Callable[[list], list]) -> "CollectivePolicy":
         """`policy_fn` made collective for a rollout over this process's share of the envs (see CollectivePolicy)."""

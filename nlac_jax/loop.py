@@ -203,6 +203,17 @@ class _Holder:
     state: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelOnlyState:
+    """What the roles read of a TrainState when a model is evaluated as it is (`NLACRun(model_only=True)`, i.e.
+    `nlac_jax.evaluate --model_dir`): θ = θ̄ = its weights, and no optimiser state, step or EMA to build."""
+    params: Any
+
+    @property
+    def target_params(self):
+        return self.params
+
+
 def _phase_seed(seed: int, iteration: int, phase: str) -> int:
     """A non-negative seed per (seed, iteration, phase); iteration -1 is the evaluation before any training."""
     return (seed * 1_000_003 + iteration + 1) * 16 + PHASES.index(phase)
@@ -211,7 +222,9 @@ def _phase_seed(seed: int, iteration: int, phase: str) -> int:
 class NLACRun:
     """Everything one run needs, built from the gin config: mesh, model, train step, sampler, envs, buffer."""
 
-    def __init__(self, workdir: str, restore: bool = True, checkpoint: str | None = None):
+    def __init__(self, workdir: str, restore: bool = True, checkpoint: str | None = None, model_only: bool = False):
+        """model_only: the gin-configured model's own weights (build_model's model_dir) act and judge, as they are
+        (ModelOnlyState): no checkpoint is read or written and no TrainState is built; for evaluation only."""
         import jax
         import numpy as np
         from nlac_jax import envs, sampling, sharding, training
@@ -255,18 +268,22 @@ class NLACRun:
             log.info("%s", footprint.param_class_table(self.cfg, self.mesh))
         # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
         fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
-        self.checkpointer = training.Checkpointer(fs.join(self.workdir, "checkpoints"),
-                                                  save_every=self.loop.checkpoint_every,
-                                                  keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
+        self.checkpointer = None if model_only else training.Checkpointer(
+            fs.join(self.workdir, "checkpoints"), save_every=self.loop.checkpoint_every,
+            keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         self.holder = _Holder()
         self.buffer = ReplayBuffer(self.loop.buffer_capacity)
         self.learner = algorithm.NLAC()  # the default learner (the experiments plug in others)
         self.cursor = self.task_source.iterate(self.task_source.train_split, seed=self.loop.seed)
         self.start_iteration = 0
 
-        ckpt_dir = checkpoint or self.checkpointer.directory
+        if model_only and (checkpoint is not None or model_dir is None):
+            raise ValueError("NLACRun(model_only=True) evaluates build_model.model_dir's weights: it needs a "
+                             "model directory and no checkpoint")
+        ckpt_dir = checkpoint or getattr(self.checkpointer, "directory", None)
         # decided once, on process 0, and broadcast (latest_checkpoint_step): every process restores the same step
-        latest = latest_checkpoint_step(ckpt_dir, self.processes) if (restore or checkpoint is not None) else None
+        look = (restore or checkpoint is not None) and not model_only  # the same on every process
+        latest = latest_checkpoint_step(ckpt_dir, self.processes) if look else None
         have_ckpt = latest is not None
         if checkpoint is not None:
             have_ckpt = True  # a named checkpoint with no step in it is an error (CheckpointRestoreError), not a fresh start
@@ -284,6 +301,10 @@ class NLACRun:
             if "cursor" in ls:
                 self.cursor.load_state_dict(ls["cursor"])
             log.info("resumed from %s step %d (iteration %d)", ckpt_dir, restored.step, self.start_iteration)
+        elif model_only:
+            from nlac_jax import models
+            self.holder.state = ModelOnlyState(hf_io.load_params(model_dir, self.cfg,
+                                                                 models.param_shardings(self.cfg, self.mesh)))
         else:
             params = None
             if model_dir is not None:

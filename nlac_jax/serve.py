@@ -1,11 +1,17 @@
 """Serve a model directory behind the OpenAI chat API (as vLLM does), for judges, oracles and users over HTTP.
 
     python -m nlac_jax.serve --model_dir DIR [--port 8000] [--host 127.0.0.1] [--name NAME] [--max_batch 32]
+        [--dtype float32|bfloat16] [--tensor N] [--fsdp M]
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions`` (temperature, top_p, max_tokens, stop strings, n=1;
 ``usage`` and ``finish_reason`` 'stop' / 'length'); concurrent requests are batched into one sampler call
 (nlac_jax/judges/server.py). The model name is the directory's name unless --name says otherwise. Point
 ``OpenAIChatModel.base_url`` at ``http://HOST:PORT/v1``.
+
+A judge-sized model: ``--dtype bfloat16`` stores and computes in bfloat16 (norms, softmax and RoPE stay float32);
+``--tensor N --fsdp M`` shards the weights over a (1, M, N) mesh of the first N x M devices (tensor: heads and MLP
+columns; fsdp: the other weight axis and the batch), as training does; the default 1 x 1 is one device. Up to
+``--max_batch`` rows decode at once; a larger group of waiting requests is decoded by continuous batching.
 
 Exit codes: 0 interrupted cleanly; 2 usage error (a bad flag, a missing model directory, a port in use); 1 any other
 handled error; --debug shows the full traceback.
@@ -29,11 +35,19 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=cli.int_at_least(0), default=8000, help="TCP port (default 8000; 0 = a free one)")
     p.add_argument("--name", default=None, help="served model name (default: the directory's name)")
-    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights and compute dtype (default float32; bfloat16 for a 7B+ judge)")
+    p.add_argument("--tensor", type=cli.int_at_least(1), default=1,
+                   help="tensor-parallel devices of the mesh (default 1)")
+    p.add_argument("--fsdp", type=cli.int_at_least(1), default=1,
+                   help="fsdp devices of the mesh (default 1); the mesh takes the first tensor x fsdp devices")
     p.add_argument("--max_batch", type=cli.int_at_least(1), default=32,
-                   help="most requests in one sampler call (default 32)")
+                   help="rows decoded at once; more waiting requests are decoded by continuous batching "
+                        "(default 32)")
     p.add_argument("--batch_wait_ms", type=cli.finite_at_least(0.0), default=5.0,
                    help="how long the batcher waits for more requests after the first (default 5 ms)")
+    p.add_argument("--max_body_mb", type=cli.finite_at_least(0.001), default=16.0,
+                   help="largest request body accepted, in MiB; larger gets HTTP 413 (default 16)")
     p.add_argument("--default_max_tokens", type=cli.int_at_least(1), default=256,
                    help="max_tokens when a request sends none (default 256)")
     return p
@@ -42,6 +56,20 @@ def build_parser() -> cli.ArgumentParser:
 def parse_flags(argv=None):
     """The serve CLI's flags."""
     return build_parser().parse_args(argv)
+
+
+def make_mesh(tensor: int, fsdp: int):
+    """The serving mesh: (data 1, fsdp, tensor) over the first fsdp x tensor devices; None for one device.
+    More devices than the machine has: sharding.ShardingError naming both counts (exit 2)."""
+    if tensor * fsdp == 1:
+        return None
+    import jax
+    from nlac_jax import sharding
+    devices = jax.devices()
+    if tensor * fsdp > len(devices):
+        raise sharding.ShardingError(f"--tensor {tensor} --fsdp {fsdp} need {tensor * fsdp} devices, this host has "
+                                     f"{len(devices)} ({devices[0].platform})")
+    return sharding.make_mesh(data=1, fsdp=fsdp, tensor=tensor, devices=devices[:tensor * fsdp])
 
 
 def main(argv=None) -> int:
@@ -53,9 +81,12 @@ def main(argv=None) -> int:
     from nlac_jax import models
     from nlac_jax.judges.server import JudgeServer
     name = flags.name or os.path.basename(os.path.normpath(flags.model_dir))
-    model = models.load_pretrained(flags.model_dir, dtype=flags.dtype)
-    server = JudgeServer(model, name, max_batch=flags.max_batch, batch_wait_s=flags.batch_wait_ms / 1000.0,
-                         default_max_tokens=flags.default_max_tokens)
+    mesh = make_mesh(flags.tensor, flags.fsdp)
+    model = models.load_pretrained(flags.model_dir, dtype=flags.dtype, mesh=mesh)
+    server = JudgeServer(model, name, mesh=mesh, max_batch=flags.max_batch,
+                         batch_wait_s=flags.batch_wait_ms / 1000.0,
+                         default_max_tokens=flags.default_max_tokens,
+                         max_body_bytes=int(flags.max_body_mb * (1 << 20)))
     try:
         server.serve_forever(flags.host, flags.port)
     except OSError as e:

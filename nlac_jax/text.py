@@ -11,6 +11,7 @@ the same column).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -49,14 +50,54 @@ def load_tokenizer(model_dir: str | os.PathLike):
             f"no tokenizer files in {model_dir!r} (expected tokenizer.json, or vocab.json + merges.txt, "
             f"or tokenizer.model)"
         )
+    if "tokenizer.json" in present:
+        check_tokenizer_json(os.path.join(model_dir, "tokenizer.json"))
     from transformers import AutoTokenizer  # local import: keep `import nlac_jax.text` light
 
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except OSError as e:
         raise OSError(f"could not load the tokenizer from {model_dir!r}: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"could not load the tokenizer from {model_dir!r}: {e}") from e
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # transformers reading a file it did not expect
+        raise ValueError(f"could not load the tokenizer from {model_dir!r} ({type(e).__name__}: {e})") from e
+
+
+def check_tokenizer_json(path: str) -> None:
+    """Refuse a tokenizer.json of the wrong shape with one line naming the file and the field, before transformers
+    reads it (it indexes fields directly: a missing 'added_tokens' is a bare KeyError there).
+
+    Checks the fields transformers reads itself ('added_tokens': a list of {id: int, content: str}; 'model': an
+    object), then parses the whole file with the tokenizers library, the format's own reader (its message gives the
+    line and column)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().decode("utf-8")
+        spec = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    def kind(v) -> str:  # JSON's name for a parsed value's type
+        return {dict: "an object", list: "a list", str: "a string", bool: "a bool", type(None): "null"}.get(
+            type(v), "a number")
+
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {kind(spec)}")
+    added = spec.get("added_tokens")
+    if not isinstance(added, list):
+        what = "is missing" if "added_tokens" not in spec else f"is {kind(added)}"
+        raise ValueError(f"{path}: field 'added_tokens' {what}; expected a list of {{id, content}} ([] for none)")
+    for i, tok in enumerate(added):
+        if not isinstance(tok, dict) or not isinstance(tok.get("id"), int) or isinstance(tok.get("id"), bool) \
+                or not isinstance(tok.get("content"), str):
+            raise ValueError(f"{path}: added_tokens[{i}]={str(tok)[:60]!s} must be an object with an integer 'id' "
+                             f"and a string 'content'")
+    if not isinstance(spec.get("model"), dict):
+        what = "is missing" if "model" not in spec else f"is {kind(spec['model'])}"
+        raise ValueError(f"{path}: field 'model' {what}; expected an object (the tokenizer model: type, vocab, ...)")
+    import tokenizers  # transformers' own dependency
+    try:
+        tokenizers.Tokenizer.from_str(raw)
+    except Exception as e:  # noqa: BLE001  the Rust parser raises a bare Exception
+        raise ValueError(f"{path}: not a tokenizer.json the tokenizers library can read ({e})") from None
 
 
 def _require_chat_template(tokenizer) -> None:

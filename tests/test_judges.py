@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 import requests
 
@@ -103,6 +104,144 @@ def test_server_models_and_bad_requests(served):
     # the server is still up and answers, with stop strings and max_tokens honoured
     r = requests.post(url + "/chat/completions", json={**good, "max_tokens": 3, "stop": ["zz"]}, timeout=60).json()
     assert r["usage"]["completion_tokens"] <= 3 and r["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def _raw_post(port: int, body: bytes, headers: dict | None = None, send: bytes | None = None):
+    """POST /v1/chat/completions over a plain socket, so the test controls every header and byte: `headers` replace
+    the default Content-Length; `send` (default `body`) is what actually goes on the wire. Returns (status, error)."""
+    hdrs = {"Content-Length": str(len(body)), "Content-Type": "application/json", **(headers or {})}
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None) + "\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(head.encode() + (body if send is None else send))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data:
+                head_end = data.index(b"\r\n\r\n")
+                length = int(next(l.split(b":")[1] for l in data[:head_end].split(b"\r\n")
+                                  if l.lower().startswith(b"content-length")))
+                if len(data) >= head_end + 4 + length:
+                    break
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data[data.index(b"\r\n\r\n") + 4:])["error"]
+
+
+def _chunked(body: bytes, size: int = 100) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+def test_server_refuses_hostile_bodies_with_one_line(served, model_dir):
+    """Invalid UTF-8 is a 400 (never replaced and answered), JSON nested 100,000 deep a 400 (no traceback, no 500),
+    a body past the limit a 413: from Content-Length before any body byte is read, and while reading a chunked body;
+    a body that never finishes arriving a 408. The server answers normally afterwards."""
+    server, url = served
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    good = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    errors_before = server.stats["errors"]
+    status, err = _raw_post(port, json.dumps(good).replace("hi", "h\u00e9").encode()[:-1] + b"\xff\xfe}")
+    assert status == 400 and "not valid UTF-8" in err["message"], err
+    body = b'{"model": "tiny-judge", "messages": [{"role": "user", "content": "\xc3("}]}'
+    status, err = _raw_post(port, body)
+    at = body.index(b"\xc3")
+    assert status == 400 and err["message"] == (f"the body is not valid UTF-8 (byte {at}: invalid "
+                                                f"continuation byte)"), err
+    for deep in [b"[" * 100_000 + b"]" * 100_000,
+                 b'{"model": "tiny-judge", "stop": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001]:
+        status, err = _raw_post(port, deep)
+        assert status == 400 and err["message"] == "the body's JSON is nested too deeply", err
+    limit = server.max_body_bytes
+    # the header alone is refused: no body byte is ever sent, so a server that tried to read it would wait (408)
+    status, err = _raw_post(port, b"", headers={"Content-Length": str(limit + 1)})
+    assert status == 413 and err["message"] == (f"the request body is too large ({limit + 1} bytes): this server "
+                                                f"accepts at most {limit} bytes"), err
+    assert server.stats["errors"] == errors_before  # none of these reached the 500 path
+    # the server still serves
+    r = requests.post(url + "/chat/completions", json={**good, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    # a small limit and a short socket timeout on a second server (same model, no sampling needed)
+    small = JudgeServer(models.load_pretrained(model_dir), NAME, max_body_bytes=1000, body_timeout_s=1.0)
+    sport = small.start("127.0.0.1", 0)
+    try:
+        big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+        status, err = _raw_post(sport, big, headers={"Content-Length": None, "Transfer-Encoding": "chunked"},
+                                send=_chunked(big))
+        assert status == 413 and err["message"] == ("the request body is too large: this server accepts at most "
+                                                    "1000 bytes"), err
+        under = json.dumps({**good, "n": 3}).encode()  # under the limit, chunked: read and validated as usual
+        status, err = _raw_post(sport, under, headers={"Content-Length": None, "Transfer-Encoding": "chunked"},
+                                send=_chunked(under, 7))
+        assert status == 400 and err["param"] == "n", err
+        # Content-Length says 500, 20 bytes come, then nothing: the read times out, the thread is freed
+        status, err = _raw_post(sport, b"x" * 500, send=b'{"model": "tiny-jud')
+        assert status == 408 and err["message"].startswith("the request body did not arrive"), err
+        # a Content-Length smaller than what is sent: only that many bytes are read (here: a cut-off JSON)
+        status, err = _raw_post(sport, b"{", headers={"Content-Length": "5"}, send=big)
+        assert status == 400 and "not valid JSON" in err["message"], err
+        # no Content-Length and no chunking: an empty body, never an unbounded read
+        status, err = _raw_post(sport, b"", headers={"Content-Length": None}, send=b"")
+        assert status == 400 and "not valid JSON" in err["message"], err
+    finally:
+        small.shutdown()
+
+
+def test_served_on_a_mesh_and_in_bfloat16_answers_as_the_single_device_float32_one(served, model_dir):
+    """`serve --tensor 2 --fsdp 2`: greedy replies over HTTP equal the one-device float32 server's, token for token,
+    with more requests than decoding rows (continuous batching). `--dtype bfloat16 --tensor 2`: the served model's
+    logits are the float32 model's to bfloat16 precision, and it answers."""
+    import numpy as np
+
+    from nlac_jax import serve, sharding
+    _, url = served
+    chats = [[{"role": "user", "content": f"question {i}: is it a kind of {w}?"}]
+             for i, w in enumerate(["fruit", "tool", "bird", "river", "planet", "song"])]
+    ref = _client(url).complete(chats)
+    mesh = serve.make_mesh(tensor=2, fsdp=2)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+    tp = JudgeServer(models.load_pretrained(model_dir, mesh=mesh), NAME, mesh=mesh, max_batch=4, batch_wait_s=0.2,
+                     default_max_tokens=8)
+    calls = []
+    generate = tp.sampler.generate
+
+    def spy(params, prompts, *a, **kw):
+        calls.append((len(prompts), kw.get("slots")))
+        return generate(params, prompts, *a, **kw)
+    tp.sampler.generate = spy
+    port = tp.start("127.0.0.1", 0)
+    try:
+        got = _client(f"http://127.0.0.1:{port}/v1", timeout_s=900).complete(chats)  # a first call compiles
+    finally:
+        tp.shutdown()
+    assert [(r["content"], r["usage"], r["finish_reason"]) for r in got] == \
+        [(r["content"], r["usage"], r["finish_reason"]) for r in ref]
+    assert sum(n for n, _ in calls) == 6 and all(slots == 4 for _, slots in calls), calls  # 4 rows decode at once
+    # a sharded weight really is split: the q projection's heads over 'tensor'
+    q = tp.model.params["layers"]["attn"]["q_proj"]["kernel"]
+    assert "tensor" in str(q.sharding.spec), q.sharding
+
+    mesh2 = serve.make_mesh(tensor=2, fsdp=1)
+    bf = models.load_pretrained(model_dir, dtype="bfloat16", mesh=mesh2)
+    assert {str(x.dtype) for x in jax.tree.leaves(bf.params)} == {"bfloat16"}
+    f32 = models.load_pretrained(model_dir)
+    ids = np.asarray([text.encode_chat(f32.tokenizer, chats[0])], np.int32)
+    with sharding.use_mesh(mesh2):
+        lb = np.asarray(bf.logits(ids), np.float32)
+    lf = np.asarray(f32.logits(ids), np.float32)
+    err = float(np.max(np.abs(lb - lf)))
+    assert err < 0.05 * float(np.max(np.abs(lf))), (err, float(np.max(np.abs(lf))))  # bf16: ~3 digits
+    top2 = np.sort(lf[0], axis=-1)[:, -2:]
+    sure = (top2[:, 1] - top2[:, 0]) > 2 * err  # where rounding cannot flip the greedy choice
+    assert sure.any() and (lb[0].argmax(-1)[sure] == lf[0].argmax(-1)[sure]).all()
+    bfs = JudgeServer(bf, NAME, mesh=mesh2, default_max_tokens=4)
+    port = bfs.start("127.0.0.1", 0)
+    try:
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600,
+                          json={"model": NAME, "messages": chats[0], "max_tokens": 4})
+    finally:
+        bfs.shutdown()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
 
 
 def test_cache_hits_make_no_http_call_and_survive_a_new_client(served, tmp_path):
@@ -253,6 +392,11 @@ def test_serve_cli_subprocess(model_dir):
     bad = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", "/no/such/dir"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "/no/such/dir" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    big = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", model_dir, "--tensor", "4",
+                          "--fsdp", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = big.stderr.strip().splitlines()
+    assert big.returncode == 2 and len(lines) == 1 and "--tensor 4 --fsdp 4 need 16 devices, this host has 8" \
+        in lines[0], big.stderr
 
 
 class FakeEndpoint:

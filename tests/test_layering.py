@@ -48,3 +48,14 @@ def test_the_check_sees_both_import_forms(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from nlac_jax import nlac\n    import nlac_jax.nlac.targets\n")
     assert {"nlac_jax.nlac", "nlac_jax.nlac.targets"} <= set(_imports(f))
+
+
+# modules that deserialise by running code: nothing a process reads (weights, checkpoints, what its peers send)
+# may go through them (safetensors, JSON and orbax only)
+UNSAFE_SERIALISERS = ("pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "marshal")
+
+
+def test_no_module_imports_pickle_or_its_kin():
+    bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files(".") for name in _imports(f)
+           if name.split(".")[0] in UNSAFE_SERIALISERS]
+    assert not bad, "\n".join(bad)

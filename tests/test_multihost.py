@@ -102,12 +102,17 @@ class _Hub:
 
 
 class _ThreadProcesses(distributed.Processes):
+    """Processes whose byte exchange is the thread hub: everything above it (the JSON encoding of histories and
+    episodes) is the real code path; `sent` records every process's bytes."""
+
     def __init__(self, index, count, hub):
         super().__init__(index, count)
-        self.hub = hub
+        self.hub, self.sent = hub, []
 
-    def allgather_objects(self, obj):
-        return self.hub.exchange(self.index, obj)
+    def allgather_bytes(self, data):
+        assert isinstance(data, bytes)
+        self.sent.append(data)
+        return self.hub.exchange(self.index, data)
 
 
 def _linear_policy(calls):
@@ -148,9 +153,45 @@ def test_collect_over_processes_equals_one_process(count):
     assert not errors, errors
     for i in range(count):
         episodes, transitions = results[i]
-        assert [(e.task.id, e.messages) for e in episodes] == [(e.task.id, e.messages) for e in ref]
-        assert len(transitions) == len(ref_t)
+        assert episodes == ref  # every field, after the JSON round trip (this process's own episodes too)
+        assert transitions == ref_t
         assert calls[i] == ref_calls  # the same global batches, row for row
+
+
+def test_exchanges_are_json_never_pickle():
+    """What crosses between processes is UTF-8 JSON (histories, episodes via Episode.to_dict): every process decodes
+    every part, its own included; a value JSON cannot carry is refused on the sender, by name."""
+    from nlac_jax.envs.base import Episode, Task
+    from nlac_jax.envs.transition import Transition
+    hub = _Hub(2)
+    procs = [_ThreadProcesses(i, 2, hub) for i in range(2)]
+    ep = Episode(task=Task("t-1", "train", {"target": 3, "tags": ("a", "b")}),
+                 messages=[{"role": "user", "content": "héllo \u2603"}, {"role": "assistant", "content": "3"}],
+                 transitions=[Transition([{"role": "user", "content": "héllo \u2603"}], "3", 1.0, None, True,
+                                         {"success": True, "score": np.float32(0.5), "bad": float("nan")},
+                                         episode_return=1.0, task="toy")],
+                 total_return=1.0, success=True, length=1, num_errors=0, info={"success": True})
+    out = [None, None]
+
+    def gather(i):
+        out[i] = procs[i].gather([ep] if i == 0 else [], encode=Episode.to_dict, decode=Episode.from_dict)
+    threads = [threading.Thread(target=gather, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    sent = procs[0].sent[0]
+    assert json.loads(sent.decode("utf-8")) == [ep.to_dict()] and not sent.startswith(b"\x80")  # pickle's PROTO
+    want = Episode.from_dict(json.loads(json.dumps(ep.to_dict())))
+    assert out[0] == out[1] == [want]  # the sender holds the decoded copy too: both processes are equal
+    got = out[0][0]
+    assert got.task.payload["tags"] == ["a", "b"] and got.transitions[0].info["score"] == 0.5
+    assert got.transitions[0].info["bad"] == "nan" and got.messages == ep.messages
+    assert Episode.from_dict(got.to_dict()) == got  # a fixed point after one trip
+    with pytest.raises(TypeError, match="not plain JSON"):
+        procs[0].allgather_objects({"x": object()})
+    with pytest.raises(ValueError, match="not plain JSON"):
+        procs[0].allgather_objects([float("inf")])
 
 
 # ----------------------------------------------------------------------------- real processes

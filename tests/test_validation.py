@@ -165,6 +165,81 @@ def test_build_model_refuses_the_mismatch_at_gin_time(tmp_path):
     assert "512 tokens" in msg and "vocab_size=256" in msg
 
 
+# ----------------------------------------------------------------------------- config.json / tokenizer.json shape
+def _config_only_dir(path, patch=None, tok_patch=None):
+    """config.json (patched) + the tiny tokenizer (its tokenizer.json patched), and NO weights: each refusal below
+    must come before the weights are read (else it would be a missing-safetensors CheckpointError)."""
+    os.makedirs(path, exist_ok=True)
+    d = models.ModelConfig(vocab_size=512, **TINY_CFG).to_hf_dict()
+    d.update(patch or {})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f)
+    tiny.make_tiny_tokenizer(out_dir=str(path))
+    if tok_patch is not None:
+        tj = os.path.join(path, "tokenizer.json")
+        with open(tj) as f:
+            spec = json.load(f)
+        with open(tj, "w") as f:
+            f.write(tok_patch(spec) if callable(tok_patch) else tok_patch)
+    return str(path)
+
+
+@pytest.mark.parametrize("patch,needle", [
+    ({"vocab_size": 10 ** 12}, "vocab_size=1000000000000 must be an integer in [1, 2**31 - 1]"),  # was OverflowError
+    ({"vocab_size": 0}, "vocab_size=0 must be an integer in [1, 2**31 - 1]"),
+    ({"vocab_size": -1}, "vocab_size=-1 must be"),
+    ({"hidden_size": "32"}, "hidden_size='32' must be an integer"),
+    ({"intermediate_size": 64.0}, "intermediate_size=64.0 must be an integer"),
+    ({"num_hidden_layers": 10 ** 6}, "num_hidden_layers=1000000 must be an integer in [1, 4096]"),
+    ({"num_hidden_layers": True}, "num_hidden_layers=True must be an integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be"),
+    ({"head_dim": 10 ** 10}, "head_dim=10000000000 must be"),
+    ({"max_position_embeddings": 10 ** 12}, "max_position_embeddings=1000000000000 must be"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=2 is not a multiple of num_key_value_heads=3"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps='x' must be a finite number > 0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a finite number > 0"),
+    ({"eos_token_id": [1, "x"]}, "eos_token_id=[1, 'x'] must be a token id"),
+    ({"pad_token_id": -5}, "pad_token_id=-5 must be a token id"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    ({"rope_parameters": [1]}, "rope_parameters=[1] must be a JSON object"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_parameters['rope_theta']=-1 must be"),
+    ({"model_type": ["qwen2"]}, "model_type=['qwen2'] must be a string"),
+])
+def test_load_pretrained_refuses_bad_config_values_naming_file_and_field(tmp_path, patch, needle):
+    d = _config_only_dir(tmp_path / "hf", patch)
+    with pytest.raises(models.ConfigError) as e:
+        models.load_pretrained(d)
+    msg = str(e.value)
+    assert msg.startswith(os.path.join(d, "config.json") + ": ") and needle in msg and "\n" not in msg, msg
+
+
+def test_the_unpatched_config_only_dir_gets_past_config_and_tokenizer(tmp_path):
+    """The control for the two tests around it: unpatched, loading fails only at the (absent) weights."""
+    with pytest.raises(models.CheckpointError, match="safetensors"):
+        models.load_pretrained(_config_only_dir(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("tok_patch,needle", [
+    (lambda t: json.dumps({k: v for k, v in t.items() if k != "added_tokens"}),
+     "field 'added_tokens' is missing"),  # was a bare KeyError: 'added_tokens'
+    (lambda t: json.dumps({**t, "added_tokens": "x"}), "field 'added_tokens' is a string"),
+    (lambda t: json.dumps({**t, "added_tokens": [{"id": "x", "content": "a"}]}),
+     "added_tokens[0]={'id': 'x', 'content': 'a'} must be an object with an integer 'id'"),
+    (lambda t: json.dumps({k: v for k, v in t.items() if k != "model"}), "field 'model' is missing"),
+    (lambda t: json.dumps({**t, "model": [1]}), "field 'model' is a list"),
+    (lambda t: json.dumps({**t, "model": {**t["model"], "vocab": [1]}}),
+     "not a tokenizer.json the tokenizers library can read (invalid type: sequence, expected a map at line 1"),
+    (lambda t: json.dumps([1, 2]), "expected a JSON object, got a list"),
+    ("{not json", "not valid JSON"),
+])
+def test_load_pretrained_refuses_a_malformed_tokenizer_json_naming_file_and_field(tmp_path, tok_patch, needle):
+    d = _config_only_dir(tmp_path / "hf", tok_patch=tok_patch)
+    with pytest.raises(ValueError) as e:
+        models.load_pretrained(d)
+    msg = str(e.value)
+    assert msg.startswith(os.path.join(d, "tokenizer.json") + ": ") and needle in msg and "\n" not in msg, msg
+
+
 # ----------------------------------------------------------------------------- CLI error classification
 def test_cli_exit_codes_and_one_line_messages():
     def fails(exc):

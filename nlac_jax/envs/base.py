@@ -29,7 +29,7 @@ import logging
 import random
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-from nlac_jax.envs.transition import Transition  # the one Transition class (the runner writes it, rl stores it)
+from nlac_jax.envs.transition import Transition, to_jsonable  # the one Transition class (the runner writes it)
 
 Message = dict  # {'role': 'system' | 'user' | 'assistant', 'content': str}
 Observation = list  # list[Message]: the initial chat messages returned by Env.reset
@@ -72,6 +72,26 @@ class Episode:
     truncated: bool = False
     info: dict = dataclasses.field(default_factory=dict)
     env_exceptions: int = 0  # 1 when an exception from env code ended the episode (see BatchedRunner)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (how episodes cross between processes); transitions through ``Transition.to_dict``,
+        ``info`` and the task payload through ``to_jsonable`` (lossy only for values JSON has no type for)."""
+        return {"task": {"id": self.task.id, "split": self.task.split, "payload": to_jsonable(self.task.payload)},
+                "messages": to_jsonable(self.messages), "transitions": [t.to_dict() for t in self.transitions],
+                "total_return": float(self.total_return), "success": bool(self.success), "length": int(self.length),
+                "num_errors": int(self.num_errors), "truncated": bool(self.truncated), "info": to_jsonable(self.info),
+                "env_exceptions": int(self.env_exceptions)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Episode":
+        """Inverse of :meth:`to_dict`."""
+        t = d["task"]
+        return cls(task=Task(id=str(t["id"]), split=str(t["split"]), payload=dict(t.get("payload") or {})),
+                   messages=[dict(m) for m in d["messages"]],
+                   transitions=[Transition.from_dict(x) for x in d["transitions"]],
+                   total_return=float(d["total_return"]), success=bool(d["success"]), length=int(d["length"]),
+                   num_errors=int(d["num_errors"]), truncated=bool(d.get("truncated", False)),
+                   info=dict(d.get("info") or {}), env_exceptions=int(d.get("env_exceptions", 0)))
 
 
 @runtime_checkable

@@ -38,7 +38,6 @@ import ast
 import inspect
 import json
 import operator
-import pickle
 from typing import Optional
 
 DOMAINS = ('retail', 'airline')
@@ -81,10 +80,10 @@ def make_tau2_environment(domain: str):
     import_tau2()
     env_mod, db_cls, db_path = domain_module(domain)
     if domain not in _DB_CACHE:
-        # Keep the loaded DB as pickled bytes of our own in-memory object: unpickling is ~3x faster than
-        # pydantic's deep copy, and every episode needs a private copy.
-        _DB_CACHE[domain] = pickle.dumps(db_cls.load(db_path), protocol=pickle.HIGHEST_PROTOCOL)
-    return env_mod.get_environment(db=pickle.loads(_DB_CACHE[domain]))
+        # Keep the loaded DB as its JSON: every episode needs a private copy, and pydantic-core's JSON validation
+        # builds one about as fast as unpickling did (faster than model_copy(deep=True)), with no pickle.
+        _DB_CACHE[domain] = db_cls.load(db_path).model_dump_json()
+    return env_mod.get_environment(db=db_cls.model_validate_json(_DB_CACHE[domain]))
 
 
 def make_task_environment(domain: str, task):

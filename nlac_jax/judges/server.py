@@ -2,14 +2,21 @@
 
 ``JudgeServer`` is a Werkzeug WSGI app plus one batching worker: each HTTP request (one thread each, Werkzeug's
 threaded server) validates its JSON, renders the chat with the tokenizer's template and puts the prompt on a queue;
-the worker takes what is waiting (up to ``max_batch``, after a short ``batch_wait_s`` for stragglers), groups it by
+the worker takes what is waiting (up to ``max_waiting``, after a short ``batch_wait_s`` for stragglers), groups it by
 sampling settings, and calls ``Sampler.generate`` once per group, so concurrent clients share one sampler call (the
-point of a judge server: the client sends its batch concurrently). Only the worker touches JAX.
+point of a judge server: the client sends its batch concurrently). A group larger than ``max_batch`` is decoded by
+the sampler's continuous batching: ``max_batch`` rows at once, each finished row refilled with a waiting request,
+so no row idles until the longest reply ends (requests that arrive during a call wait for the next one). Only the
+worker touches JAX. With a ``mesh`` (``serve --tensor N --fsdp M``) the model's weights are sharded over it and the
+sampler runs every call on all of its devices.
 
 Bad requests get HTTP 400 (404 for an unknown model) with OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` and a one-line message; the server never crashes on one. A prompt
 whose tokens plus ``max_tokens`` exceed the model's context is one of them (as vLLM does): never cut, which would
-drop the judge's instructions at the start.
+drop the judge's instructions at the start. The body must be UTF-8 JSON (RFC 8259; invalid bytes are refused, not
+replaced) of at most ``max_body_bytes``: a larger ``Content-Length`` gets 413 before the body is read, and a chunked
+body is cut off at the limit while it is read (Werkzeug's ``max_content_length``); a body that stops arriving gets 408
+after ``body_timeout_s``. JSON nested past the parser's recursion limit is a 400.
 ``GET /stats`` (not part of the OpenAI API) reports the batching counters.
 """
 
@@ -24,8 +31,8 @@ import threading
 import time
 import uuid
 
-from werkzeug.exceptions import HTTPException
-from werkzeug.serving import make_server
+from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.serving import WSGIRequestHandler, make_server
 from werkzeug.wrappers import Request, Response
 
 log = logging.getLogger("nlac_jax.judges.server")
@@ -40,7 +47,8 @@ class BadRequest(ValueError):
 
 
 def _error(status: int, message: str, param: str | None = None) -> Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeout",
+            413: "RequestTooLarge"}.get(status, "InternalServerError")
     body = {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
     return Response(json.dumps(body), status=status, mimetype="application/json")
 
@@ -66,20 +74,30 @@ class JudgeServer:
     Args:
       model: an ``nlac_jax.models.Model`` with its tokenizer.
       name: the model id clients send as ``model`` (vLLM: the served model name).
-      max_batch: most requests in one sampler call.
+      max_batch: rows the sampler decodes at once (its continuous-batching slots).
+      max_waiting: most requests taken into one round of sampler calls (default 4 x max_batch).
       batch_wait_s: after the first waiting request, how long the worker waits for more before sampling.
+      mesh: the jax Mesh the model's weights are laid out on (models.load_pretrained(mesh=...)); None: one device.
       default_max_tokens: ``max_tokens`` when a request sends none.
+      max_body_bytes: the largest request body accepted (413 above it). 16 MiB holds a full 128k-token context
+        as JSON with room to spare.
+      body_timeout_s: how long a socket read (a request's line, headers or body) may wait for the client before
+        the request is dropped (408 while reading the body); it never limits the time spent sampling.
     """
 
     def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0,
+                 mesh=None, max_waiting: int | None = None):
         from nlac_jax import sampling, text
         if model.tokenizer is None:
             raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
         self.model, self.name, self.tok = model, name, model.tokenizer
         self.max_batch, self.batch_wait_s, self.default_max_tokens = int(max_batch), float(batch_wait_s), \
             int(default_max_tokens)
-        self.sampler = sampling.Sampler(model.config)
+        self.max_body_bytes, self.body_timeout_s = int(max_body_bytes), float(body_timeout_s)
+        self.max_waiting = int(max_waiting) if max_waiting is not None else 4 * self.max_batch
+        self.mesh = mesh
+        self.sampler = sampling.Sampler(model.config, mesh=mesh)
         self.stop_ids = text.stop_token_ids(self.tok)
         self.created = int(time.time())
         self._queue: queue.Queue = queue.Queue()
@@ -126,8 +144,13 @@ class JudgeServer:
 
     def _chat(self, request: Request) -> Response:
         from nlac_jax import text
+        raw = self._read_body(request)
         try:
-            body = json.loads(request.get_data(as_text=True))
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"the body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+        except RecursionError:
+            raise BadRequest("the body's JSON is nested too deeply") from None
         except ValueError as e:
             raise BadRequest(f"the body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
@@ -176,11 +199,36 @@ class JudgeServer:
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                       "total_tokens": n_prompt + n_completion}})
 
+    def _read_body(self, request: Request) -> bytes:
+        """The body's bytes, at most ``max_body_bytes`` of them (413 past that, 408 when they stop arriving)."""
+        limit, claimed = self.max_body_bytes, request.content_length
+        too_large = f"this server accepts at most {limit} bytes"
+        if claimed is not None and claimed > limit:  # refused from the header, before a byte of the body is read
+            raise BadRequest(f"the request body is too large ({claimed} bytes): {too_large}", status=413)
+        # A chunked body has no Content-Length: Werkzeug then stops the stream one byte past the limit (set before
+        # the first access to `stream`), so reading limit + 1 bytes tells "too large" from "exactly the limit".
+        # Without either, Werkzeug gives an empty stream, never an unbounded read.
+        request.max_content_length = limit + 1
+        parts, total = [], 0
+        try:
+            while total <= limit:
+                part = request.stream.read(min(1 << 16, limit + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+        except (OSError, ClientDisconnected) as e:  # the socket timed out or closed before Content-Length came
+            raise BadRequest(f"the request body did not arrive ({total} of {claimed} bytes came; "
+                             f"{type(e).__name__})", status=408) from None
+        if total > limit:
+            raise BadRequest(f"the request body is too large: {too_large}", status=413)
+        return b"".join(parts)
+
     # ------------------------------------------------------------------ the batching worker
     def _take(self) -> list:
         items = [self._queue.get()]
         deadline = time.monotonic() + self.batch_wait_s
-        while len(items) < self.max_batch:
+        while len(items) < self.max_waiting:
             left = deadline - time.monotonic()
             try:
                 items.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
@@ -203,7 +251,7 @@ class JudgeServer:
                     out = self.sampler.generate(self.model.params, [g[1] for g in group], max_tokens,
                                                 temperature=temperature, top_p=top_p, stop_token_ids=self.stop_ids,
                                                 stop_strings=stop, seed=next(self._seeds), tokenizer=self.tok,
-                                                overflow="error")
+                                                overflow="error", slots=self.max_batch)
                     with self._lock:
                         self.stats["sampler_calls"] += 1
                     for i, (_, ids, fut) in enumerate(group):
@@ -215,15 +263,21 @@ class JudgeServer:
                             fut.set_exception(BadRequest(f"sampling failed ({type(e).__name__}: {e})"))
 
     # ------------------------------------------------------------------ serving
+    def _make_server(self, host: str, port: int):
+        # StreamRequestHandler puts `timeout` on each connection's socket: a client that stops sending (a lying
+        # Content-Length, a slow drip) frees its thread after body_timeout_s instead of holding it forever.
+        handler = type("JudgeRequestHandler", (WSGIRequestHandler,), {"timeout": self.body_timeout_s})
+        return make_server(host, port, self, threaded=True, request_handler=handler)
+
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in a background thread (threaded Werkzeug server); returns the bound port (port 0: a free one)."""
-        self._http = make_server(host, port, self, threaded=True)
+        self._http = self._make_server(host, port)
         threading.Thread(target=self._http.serve_forever, name="judge-http", daemon=True).start()
         return self._http.server_port
 
     def serve_forever(self, host: str = "127.0.0.1", port: int = 8000) -> None:
         """Serve in this thread until interrupted."""
-        self._http = make_server(host, port, self, threaded=True)
+        self._http = self._make_server(host, port)
         log.info("serving %s on http://%s:%d/v1", self.name, host, self._http.server_port)
         self._http.serve_forever()
 

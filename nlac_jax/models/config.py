@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -25,6 +26,65 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 class ConfigError(ValueError):
     """A config.json field we cannot honour; the message names the field and the value."""
+
+
+# ------------------------------------------------------------------------------------------ config.json values
+# What each config.json field that a family reads as a number, id or flag must be: one table, checked before any
+# family reader touches the dict, so a wrong type, a negative/zero size or a size no array can have is one line
+# naming the file and field (not a KeyError/TypeError from a reader, or a JAX OverflowError once the decoder builds
+# its arrays). Sizes and ids are int32 in our arrays; bool is not an int here (transformers refuses it too).
+_INT32_MAX = 2 ** 31 - 1
+_HF_FIELDS: dict[str, tuple] = {
+    **{k: ("int", 1) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window_pattern")},
+    # loading walks the layers one by one (tensor names, shapes): a bound far above any model (Llama 3 405B: 126)
+    "num_hidden_layers": ("int", 1, 4096),
+    "sliding_window": ("int", 0),  # 0/null: no window (Mistral/Qwen2 write either)
+    **{k: ("ids", 0) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    **{k: ("positive",) for k in ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+                                  "final_logit_softcapping", "attn_logit_softcapping", "partial_rotary_factor")},
+    **{k: ("bool",) for k in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias",
+                              "o_proj_bias", "use_bidirectional_attention")},
+    **{k: ("dict",) for k in ("rope_parameters", "rope_scaling")},
+    **{k: ("list",) for k in ("architectures", "layer_types")},
+    "model_type": ("str",),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def hf_value(v, kind: str, source: str, field: str, lo: int = 0, hi: int = _INT32_MAX):
+    """`v` if it is a valid config.json value of `kind` (see _HF_FIELDS), else ConfigError naming source and field.
+
+    kinds: 'int' (lo <= v <= hi), 'ids' (an int in [lo, 2**31 - 1] or a non-empty list of them), 'positive' (a
+    finite number > 0), 'bool', 'dict', 'list', 'str'."""
+    if kind == "int":
+        ok = _is_int(v) and lo <= v <= hi
+        what = f"an integer in [{lo}, {'2**31 - 1' if hi == _INT32_MAX else hi}]"
+    elif kind == "ids":
+        ok = (_is_int(v) and lo <= v <= _INT32_MAX) or (
+            isinstance(v, list) and bool(v) and all(_is_int(i) and lo <= i <= _INT32_MAX for i in v))
+        what = f"a token id in [{lo}, 2**31 - 1] or a non-empty list of them"
+    elif kind == "positive":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        what = "a finite number > 0"
+    else:
+        typ, what = {"bool": (bool, "true or false"), "dict": (dict, "a JSON object"), "list": (list, "a JSON list"),
+                     "str": (str, "a string")}[kind]
+        ok = isinstance(v, typ)
+    if not ok:
+        shown = repr(v)
+        raise ConfigError(f"{source}: {field}={shown if len(shown) <= 60 else shown[:57] + '...'} must be {what}")
+    return v
+
+
+def check_hf_fields(d: dict, source: str = "config.json") -> None:
+    """Check every field of `d` named in _HF_FIELDS (null means "absent": the family's default applies)."""
+    for field, rule in _HF_FIELDS.items():
+        if d.get(field) is not None:
+            hf_value(d[field], rule[0], source, field, *rule[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +193,15 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json", **overrides) -> "ModelConfig":
         """Build from a parsed HF config dict. Refuses unsupported options, naming the field in `source`."""
         from nlac_jax.models import families
+        check_hf_fields(d, source)
         family = families.family_for_hf(d, source)
         kw = family.read_config(d, source)
         kw["model_type"] = family.name
         kw.update(overrides)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ConfigError as e:  # a cross-field rule of __post_init__: say which file it came from
+            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_hf_file(cls, model_dir: str, **overrides) -> "ModelConfig":

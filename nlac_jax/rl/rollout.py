@@ -47,6 +47,6 @@ def collect(envs: Sequence, tasks: Sequence, policy_fn: Callable, task_name: str
         collective = processes.collective_policy(policy_fn)
         mine = BatchedRunner(envs, collective, max_turns=max_turns).run(processes.share(tasks))
         collective.finish()  # the other processes' episodes may still be running: keep answering their rounds
-        episodes = processes.gather(mine)
+        episodes = processes.gather(mine, encode=Episode.to_dict, decode=Episode.from_dict)  # JSON, not pickle
     transitions = [t for ep in episodes for t in transitions_from_episode(ep, task=task_name)]
     return episodes, transitions

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from nlac_jax.models.config import ConfigError, ModelConfig
+from nlac_jax.models.config import ConfigError, ModelConfig, hf_value
 
 KeyMap = tuple  # of (path tuple, HF name, "T" | "R")
 
@@ -85,9 +85,9 @@ def rope_settings(rope: dict | None, legacy_scaling: dict | None, default_theta:
 
     Supported rope types: default, linear (factor), llama3 (factor, low/high_freq_factor,
     original_max_position_embeddings). Anything else is refused by name."""
-    rope = dict(rope or {})
-    scaling = dict(legacy_scaling or {})
-    theta = float(rope.pop("rope_theta", default_theta))
+    rope = dict(hf_value(rope or {}, "dict", source, field))
+    scaling = dict(hf_value(legacy_scaling or {}, "dict", source, "rope_scaling"))
+    theta = float(hf_value(rope.pop("rope_theta", default_theta), "positive", source, f"{field}['rope_theta']"))
     merged = {**scaling, **rope}
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
@@ -102,7 +102,7 @@ def rope_settings(rope: dict | None, legacy_scaling: dict | None, default_theta:
     for k in keys[rope_type]:
         if merged.get(k) is None:
             raise ConfigError(f"{source}: {field} with rope_type={rope_type!r} needs {k!r}")
-        out.append((k, float(merged[k])))
+        out.append((k, float(hf_value(merged[k], "positive", source, f"{field}[{k!r}]"))))
     return theta, tuple(sorted(out))
 
 
