@@ -59,6 +59,8 @@ from nlac_jax.envs.transition import Transition
 from nlac_jax.nlac.prompts import PromptSet, get_prompt_set, render_transcript
 from nlac_jax.nlac.verdict import (
     clean_action,
+    has_outcome_line,
+    leading_outcome_line,
     outcome_line,
     parse_outcome,
     parse_verdict,
@@ -288,10 +290,16 @@ class PolicyExample:
 
 
 def truncate_summary(text: str, max_chars: int) -> str:
-    """Cuts a summary to ``max_chars`` characters, keeping its final Outcome/Return line intact."""
+    """Cuts a summary to ``max_chars`` characters, keeping its Outcome/Return line intact (the final one, or the
+    first in an outcome-first summary)."""
     text = (text or "").strip()
     if max_chars <= 0 or len(text) <= max_chars:
         return text
+    head = leading_outcome_line(text)
+    if head is not None:
+        body = text.split("\n", 1)[1].strip() if "\n" in text else ""
+        room = max(0, max_chars - len(head) - 5)
+        return f"{head}\n{body[:room].rstrip()} ..." if body else head
     body = strip_outcome_lines(text)
     tail = text[len(body) :].strip()
     room = max(0, max_chars - len(tail) - 5)
@@ -461,9 +469,9 @@ def build_critic_examples(
                 stats.critic_dropped_backup += 1
                 continue
             if cfg.enforce_outcome_line and line is not None:
-                if not text.rstrip().endswith(outcome_line(*line)):
+                if not has_outcome_line(text, *line):
                     stats.backup_line_rewritten += 1
-                    text = replace_outcome_line(text, *line)
+                    text = replace_outcome_line(text, *line, first=resolve(transitions[i].task).outcome_first)
             ex.target_text = truncate_summary(text, cfg.max_summary_chars)
             if cfg.keep_reasoning:
                 ex.target_text = with_reasoning(reasoning, ex.target_text)
