@@ -153,7 +153,9 @@ def _read_rows(path: str) -> list[dict]:
 TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
               ("collect/success_rate", "train success (last iter)"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
-              ("eval/calib/return_mae", "calibration MAE"))
+              ("eval/calib/return_mae", "calibration MAE"),
+              ("probe/wasted_said_rl", "forecasts 'no answer': RL-wasted guesses"),
+              ("probe/wasted_said_corpus", "forecasts 'no answer': corpus-only-wasted guesses"))
 
 
 def _final(rows: list[dict], key: str) -> float:
@@ -220,6 +222,8 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
                                  ("collect/success_rate", "train success (sampled)"),
                                  ("eval/mean_return", "held-out return"))),
         ("critic_curves.png", (("eval/calib/return_mae", "calibration MAE (return-to-go)"),
+                               ("probe/wasted_said_rl", "forecasts 'no answer' for RL-wasted guesses"),
+                               ("probe/wasted_said_corpus", "forecasts 'no answer' for corpus-only-wasted"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
                                ("eval/verdict/truly_optimal", "fraction truly optimal"))),
