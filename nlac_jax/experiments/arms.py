@@ -1,8 +1,9 @@
-"""The arms of the unit-scale experiment: NLAC, its two ablations, and two baselines (RFT, GRPO).
+"""The arms of the unit-scale experiment: NLAC, its ablations and critic variants, and the baselines.
 
 Every arm is a learner (`nlac_jax.nlac.algorithm.Learner`) plugged into the same `loop.NLACRun`, so all arms
 share the sampler, the train step, the episode budget per iteration, the optimiser steps per iteration and the
-held-out evaluation; they differ only in which examples the episodes become:
+held-out evaluation; they differ only in which examples the episodes become (and, for the frozen critic, which
+parameters serve the critic's roles):
 
 ==================  ==========================================================================================
 arm                 training examples per iteration
@@ -10,11 +11,22 @@ arm                 training examples per iteration
 warm_start          none (the warm start, evaluated at the same points)
 nlac                L1: language Bellman backups; L2: critique + refinement, distilled (paper defaults k=m=1)
 nlac_no_critique    as nlac, but the refiner sees an uninformative critique (`TargetConfig.ablate_critique`)
-nlac_frozen_critic  as nlac, but no critic examples: the successor model gets no L1 update
+nlac_frozen_critic  as nlac, but the successor and evaluator are served by a frozen copy of the warm start (a
+                    second parameter set in the sampler, for targets and evaluation alike); no L1 examples, θ̄
+                    unused by them; the policy and the refiner train
+nlac_no_l1          as nlac, but no critic examples (θ shared: L2 still moves the successor's weights, θ̄ tracks θ)
+nlac_mc_critic      as nlac, but L1's targets are summaries of the real futures in the buffer (Monte-Carlo)
 rft                 SFT on (state, action) of the policy's own successful episodes (a FIFO of past successes)
 grpo                each task played `group_size` times; every action of an episode is a policy example
                     weighted by its group-relative advantage (R - mean) / (std + eps); one pass, no reuse
 ==================  ==========================================================================================
+
+Equal budgets. Episodes: every arm's `take_tasks` plays `LoopConfig.episodes_per_iteration` episodes per
+iteration (GRPO as groups of the same task). Optimiser steps: the loop runs `LoopConfig.train_steps` steps of
+`LoopConfig.batch_size` examples per iteration whatever the arm's example count (cycling through its examples), so
+budgets are equal when the experiment sets `train_steps` to an integer (with None, steps follow the example count).
+Examples: the NLAC variants sample `critic_examples` + `policy_examples` per iteration (the frozen critic and
+no-L1 arms only the policy share: their critic has nothing to learn), RFT and GRPO up to that sum.
 """
 
 from __future__ import annotations
@@ -27,11 +39,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.nlac.algorithm import NLAC
+from nlac_jax.nlac.algorithm import NLAC, MonteCarloNLAC
 
-__all__ = ["ARMS", "SFTExample", "RFT", "GRPO", "make_learner", "group_advantages"]
+__all__ = ["ARMS", "CRITIC_ROLES", "SFTExample", "RFT", "GRPO", "make_learner", "group_advantages"]
 
-ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo")
+# the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
+ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
+        "nlac_mc_critic")
+
+CRITIC_ROLES = ("successor", "evaluator")  # the roles the frozen critic serves from the warm start
 
 
 @dataclasses.dataclass
@@ -132,9 +148,13 @@ class GRPO:
         return out, _dump(out, run.loop.dump_examples)
 
 
-def make_learner(arm: str, run: Any, group_size: int = 4):
+def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
     """The learner of `arm` for `run` (a fresh object: learners with memory, like RFT's FIFO, start empty).
-    `warm_start` returns None (the arm does not train)."""
+    `warm_start` returns None (the arm does not train). Call it at the arm's start, right after θ is reset to the
+    warm start: the frozen critic keeps a copy of θ as it is now.
+
+    future_summary: the real-future renderer of the Monte-Carlo critic (default: the toy corpus's
+    `corpus.future_summary`; an experiment with its own corpus passes that corpus's)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; arms are {list(ARMS)}")
     if arm == "warm_start":
@@ -144,7 +164,14 @@ def make_learner(arm: str, run: Any, group_size: int = 4):
     if arm == "nlac_no_critique":
         return NLAC(target_cfg=dataclasses.replace(run.target_cfg, ablate_critique=True), name=arm)
     if arm == "nlac_frozen_critic":
+        return NLAC(critic_examples=0, frozen_roles=CRITIC_ROLES, name=arm).freeze(run)
+    if arm == "nlac_no_l1":
         return NLAC(critic_examples=0, name=arm)
+    if arm == "nlac_mc_critic":
+        if future_summary is None:
+            from nlac_jax.experiments import corpus
+            future_summary = corpus.future_summary
+        return MonteCarloNLAC(future_summary=future_summary)
     budget = run.loop.critic_examples + run.loop.policy_examples  # same example budget as NLAC's two losses
     if arm == "rft":
         return RFT(policy_examples=budget)
