@@ -315,3 +315,86 @@ def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model,
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="row 1: empty continuation"):
         Scorer(cfg).logprobs(params, prompts[:2], [[1], []])
+
+
+# ------------------------------------------------------------------------------------------ NLQL, Self-Distillation
+
+
+def test_nlql_distils_the_candidate_with_the_highest_scored_value():
+    p_of = {"3": 0.2, "5": 0.9, "7": 0.5}
+
+    def scores(messages, continuation, served):
+        body = "\n".join(m["content"] for m in messages)
+        a = max(p_of, key=lambda x: body.rfind(f"\n{x}") if f"\n{x}" in body else body.rfind(x))
+        p = p_of[a]
+        return math.log(p if continuation == critic_scores.SUCCESS_CONTINUATION else 1 - p)
+
+    cands = ["3", "5", "3", "7"]
+    roles = ScriptedRoleSampler({"policy": lambda m, j: cands[j]}, scores=scores)
+    run = _fake_run(roles, critic=0, policy=2)
+    _, trs = _toy_episode(6, [4, 6])
+    m = {}
+    learner = arms.make_learner("nlql", run)
+    ex, _ = learner.examples(run, 0, [], trs, np.random.default_rng(0), m)
+    assert [e.target_text for e in ex] == ["5", "5"] and all(e.kind == 1 for e in ex)
+    assert set(roles.call_counts()) == {"policy"}  # no successor, evaluator or refiner generation
+    (call,) = roles.score_calls
+    assert call.role == "successor" and call.served == "policy" and len(call.messages_batch) == 2 * 2 * 3
+    assert m["nlql/distinct_candidates"] == 3 and m["nlql/frac_best_not_first"] == 1.0
+    assert m["nlql/best_p_success"] == pytest.approx(0.9)
+
+
+def test_self_distillation_refines_from_real_rollouts_of_the_policy():
+    roles = ScriptedRoleSampler({"policy": "6", "evaluator": "Good.\nVerdict: suboptimal", "refiner": "5"})
+    run = _fake_run(roles, critic=0, policy=0)
+    run.loop.episodes_per_iteration, run.loop.max_turns = 16, None
+    run.envs = [GuessNumberEnv(n=8) for _ in range(3)]
+    ep, trs = _toy_episode(6, [4, 7, 6])
+    learner = arms.SelfDistillation(states=3, future_summary=corpus.future_summary)
+    cursor_calls = []
+    run.cursor = types.SimpleNamespace(take=lambda n: cursor_calls.append(n) or [])
+    learner.take_tasks(run, 16)
+    assert cursor_calls == [16 - 3 * 4]  # the rollouts count against the episode budget
+    m = {}
+    ex, _ = learner.examples(run, 0, [ep], trs, np.random.default_rng(0), m)
+    assert m["sd/states"] == 3 and m["sd/rollout_episodes"] == 8 and m["sd/replay_mismatches"] == 0
+    assert m["sd/rollout_success_rate"] == 1.0
+    assert "successor" not in roles.call_counts() and "backup" not in roles.call_counts()
+    # what the evaluator read: the real futures of the rollouts, in the successor's format
+    _, via6 = _toy_episode(6, [4, 6])
+    _, via76 = _toy_episode(6, [4, 7, 6])
+    want = {trs[0].action: [corpus.future_summary(via6, PS)] * 4,
+            trs[1].action: [corpus.future_summary(via76[1:], PS)] * 4,
+            trs[2].action: [corpus.future_summary(trs[2:], PS)]}
+    got = {e.action: e.futures for e in ex}
+    assert got == want
+    assert [e.target_text for e in ex] == ["5", "5", "5"] and all(e.kind == 1 for e in ex)
+    (ev,) = roles.calls_for("evaluator")
+    assert all(f in ev.user_texts()[0] for f in want[trs[0].action][:1])
+
+
+def test_replay_env_flags_a_history_the_env_does_not_reproduce():
+    from nlac_jax.experiments.arms import _ReplayEnv
+    ep, trs = _toy_episode(6, [4, 7, 6])
+    env = _ReplayEnv(GuessNumberEnv(n=8), None)
+    good = Task("r0", "train", {"replay": (ep.task, ["4"], trs[0].next_state)})
+    assert env.reset(good) == trs[0].next_state and env.max_turns == GuessNumberEnv(n=8).max_turns - 1
+    forged = trs[0].next_state[:-1] + [{"role": "user", "content": "lower"}]
+    env.reset(Task("r1", "train", {"replay": (ep.task, ["4"], forged)}))
+    assert env.mismatched == {"r1"}
+
+
+def test_nlql_falls_back_to_sampled_outcomes_when_summaries_end_with_their_outcome_line():
+    forecasts = {"3": "Reply: lower.\nOutcome: failure; Return: 0", "5": "Reply: correct.\nOutcome: success; Return: 1"}
+
+    def successor(messages, j):
+        body = "\n".join(m["content"] for m in messages)
+        return forecasts[max(forecasts, key=body.rfind)]
+
+    roles = ScriptedRoleSampler({"policy": lambda m, j: ["3", "5"][j % 2], "successor": successor})
+    run = _fake_run(roles, critic=0, policy=1)
+    run.prompts = types.SimpleNamespace(outcome_first=False, policy=PS.policy, successor=PS.successor)
+    _, trs = _toy_episode(6, [4, 6])
+    m = {}
+    ex, _ = arms.NLQL().examples(run, 0, [], trs, np.random.default_rng(0), m)
+    assert [e.target_text for e in ex] == ["5"] and m["nlql/scored_values"] == 0 and roles.score_calls == []
