@@ -288,10 +288,16 @@ def test_critic_score_metrics_by_hand_and_under_the_frozen_routing():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from nlac_jax import models
+    """A random tiny model and what the sampler generated from three prompts (generated once for both tests)."""
+    import jax
+    from nlac_jax import models, sampling, text
     from nlac_jax.models.building import build_model
     cfg, tok, _ = build_model()
-    return cfg, tok, models.random_model(cfg, seed=0).params
+    params = models.random_model(cfg, seed=0).params
+    prompts = [text.encode_text(tok, t) for t in ("Guess a number.", "Is it an animal? Yes.", "The answer is")]
+    out = sampling.Sampler(cfg).generate(jax.device_get(params), prompts, max_new_tokens=7, temperature=1.0,
+                                         seed=3, stop_token_ids=())
+    return cfg, params, prompts, out
 
 
 @pytest.mark.parametrize("mesh_devices", [0, 8])
@@ -300,15 +306,12 @@ def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model,
     unmodified distribution); scoring those tokens after their prompts through the train step's forward must give
     the same sums (batched, padded, bucketed, on one device or a mesh of 8)."""
     import jax
-    from nlac_jax import models, sampling, sharding, text
+    from nlac_jax import models, sharding
     from nlac_jax.training.scoring import Scorer
-    cfg, tok, params = tiny_model
+    cfg, params, prompts, out = tiny_model
     mesh = sharding.make_mesh() if mesh_devices else None
     if mesh is not None:
         params = jax.device_put(params, models.param_shardings(cfg, mesh))
-    prompts = [text.encode_text(tok, t) for t in ("Guess a number.", "Is it an animal? Yes.", "The answer is")]
-    out = sampling.Sampler(cfg).generate(jax.device_get(params), prompts, max_new_tokens=7, temperature=1.0,
-                                         seed=3, stop_token_ids=())
     conts = out.token_lists()
     want = [float(out.logprobs[b, :out.lengths[b]].sum()) for b in range(len(prompts))]
     got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks
