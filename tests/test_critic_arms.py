@@ -401,3 +401,11 @@ def test_nlql_falls_back_to_sampled_outcomes_when_summaries_end_with_their_outco
     m = {}
     ex, _ = arms.NLQL().examples(run, 0, [], trs, np.random.default_rng(0), m)
     assert [e.target_text for e in ex] == ["5"] and m["nlql/scored_values"] == 0 and roles.score_calls == []
+
+
+def test_the_table_reports_the_last_measured_value_even_when_it_is_undefined():
+    from nlac_jax.experiments import unit_scale
+    rows = [{"iteration": 0, "eval/critic_auc": 0.6}, {"iteration": 1}, {"iteration": 2, "eval/critic_auc": math.nan},
+            {"iteration": 3}]
+    assert math.isnan(unit_scale._final(rows, "eval/critic_auc"))  # not iteration 0's 0.6
+    assert unit_scale._final(rows[:2], "eval/critic_auc") == 0.6

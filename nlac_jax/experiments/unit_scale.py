@@ -120,7 +120,9 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
 
 
 def _final(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    # the last row that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome class), never an older
+    # iteration's value
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return vals[-1] if vals else math.nan
 
 
