@@ -109,6 +109,7 @@ def test_frozen_params_own_their_buffers_after_the_train_step_donates_theta():
     frozen = algorithm.freeze_params(theta)
     step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
     new = step(theta)
+    assert theta["w"].is_deleted()  # the donation happened: a frozen set aliasing θ would be gone too
     np.testing.assert_array_equal(np.asarray(frozen["w"]), [0, 1, 2, 3])
     np.testing.assert_array_equal(np.asarray(new["w"]), [1, 2, 3, 4])
     assert frozen["w"].sharding == new["w"].sharding
@@ -409,3 +410,20 @@ def test_the_table_reports_the_last_measured_value_even_when_it_is_undefined():
             {"iteration": 3}]
     assert math.isnan(unit_scale._final(rows, "eval/critic_auc"))  # not iteration 0's 0.6
     assert unit_scale._final(rows[:2], "eval/critic_auc") == 0.6
+
+
+def test_evaluate_reports_the_critic_scores_of_the_held_out_episodes():
+    from nlac_jax.envs.toy import GuessNumberTaskSource
+    env_tasks = [t for t in GuessNumberTaskSource(n=8, test_every=2).tasks("test")][:2]  # targets 2 and 4
+    # the policy always guesses 4: it wins on target 4 and loses on target 2; the critic says P(success) = 0.8
+    roles = ScriptedRoleSampler({"policy": "4"}, scores=lambda m, c, served: math.log(
+        0.8 if c == critic_scores.SUCCESS_CONTINUATION else 0.2))
+    m, eps = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0)
+    y = [e.success for e in eps for _ in e.transitions]
+    assert True in y and False in y
+    assert m["eval/critic_n"] == len(y) and m["eval/critic_auc"] == 0.5  # a constant forecast ranks nothing
+    assert m["eval/critic_brier"] == pytest.approx(np.mean([(0.8 - v) ** 2 for v in y]))
+    assert m["eval/critic_base_rate"] == pytest.approx(np.mean(y))
+    none, _ = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0,
+                                  score_transitions=0)
+    assert "eval/critic_auc" not in none

@@ -49,10 +49,10 @@ class Learner(Protocol):
 
 def freeze_params(params):
     """A private copy of a parameter tree, same shardings: the train step donates θ, so the frozen set must own
-    its buffers."""
+    its buffers. One jitted copy (every process runs it, as every other step on global arrays)."""
     import jax
     import jax.numpy as jnp
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(params)
 
 
 @dataclasses.dataclass
