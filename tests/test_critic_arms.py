@@ -427,3 +427,10 @@ def test_evaluate_reports_the_critic_scores_of_the_held_out_episodes():
     none, _ = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0,
                                   score_transitions=0)
     assert "eval/critic_auc" not in none
+
+
+def test_the_real_future_renderer_follows_the_prompt_set():
+    assert arms.future_renderer(PromptSet(task="toy")) is corpus.future_summary
+    assert arms.future_renderer(PromptSet(task="toy", prompt_set="toy_compact")) is corpus.future_summary
+    with pytest.raises(ValueError, match="prompt set 'math'"):
+        arms.future_renderer(PromptSet(task="math"))

@@ -55,8 +55,8 @@ from nlac_jax.nlac.verdict import clean_action, parse_outcome, strip_think
 from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.roles import check_samples, group
 
-__all__ = ["ARMS", "CRITIC_ROLES", "SFTExample", "RFT", "GRPO", "NLQL", "SelfDistillation", "make_learner",
-           "group_advantages"]
+__all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRPO", "NLQL", "SelfDistillation",
+           "future_renderer", "make_learner", "group_advantages"]
 
 # the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
 ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
@@ -344,13 +344,34 @@ class SelfDistillation(NLAC):
                                              actions=[t.action for t in states], futures=[futures[j] for j in keep])
 
 
+# The renderer of real futures in each prompt set's successor format: the function its warm-start corpus writes the
+# successor's examples with (module, name; imported on use). Keys: PromptSet.prompt_set, else its task.
+FUTURE_RENDERERS = {
+    "toy": ("nlac_jax.experiments.corpus", "future_summary"),
+    "toy_compact": ("nlac_jax.experiments.corpus", "future_summary"),
+    "toy_forecast": ("nlac_jax.experiments.corpus_forecast", "forecast"),
+    "twenty_questions": ("nlac_jax.experiments.corpus_twenty_questions", "future_summary"),
+}
+
+
+def future_renderer(prompts) -> FutureSummary:
+    """`FUTURE_RENDERERS`' function for the run's prompt set (ValueError naming the set when it has none)."""
+    import importlib
+    name = getattr(prompts, "prompt_set", None) or getattr(prompts, "task", None)
+    if name not in FUTURE_RENDERERS:
+        raise ValueError(f"no renderer of real futures for prompt set {name!r} (the Monte-Carlo critic and "
+                         f"Self-Distillation need one); known: {sorted(FUTURE_RENDERERS)}")
+    module, attr = FUTURE_RENDERERS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
 def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
     """The learner of `arm` for `run` (a fresh object: learners with memory, like RFT's FIFO, start empty).
     `warm_start` returns None (the arm does not train). Call it at the arm's start, right after θ is reset to the
     warm start: the frozen critic keeps a copy of θ as it is now.
 
-    future_summary: the real-future renderer of the Monte-Carlo critic (default: the toy corpus's
-    `corpus.future_summary`; an experiment with its own corpus passes that corpus's)."""
+    future_summary: the real-future renderer of the Monte-Carlo critic and Self-Distillation (default:
+    `future_renderer(run.prompts)`, the renderer of the corpus that taught the run's prompt set)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; arms are {list(ARMS)}")
     if arm == "warm_start":
@@ -363,13 +384,10 @@ def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
         return NLAC(critic_examples=0, frozen_roles=CRITIC_ROLES, name=arm).freeze(run)
     if arm == "nlac_no_l1":
         return NLAC(critic_examples=0, name=arm)
-    if future_summary is None:
-        from nlac_jax.experiments import corpus
-        future_summary = corpus.future_summary
-    if arm == "nlac_mc_critic":
-        return MonteCarloNLAC(future_summary=future_summary)
-    if arm == "self_distillation":
-        return SelfDistillation(future_summary=future_summary)
+    if arm in ("nlac_mc_critic", "self_distillation"):
+        render = future_summary or future_renderer(run.prompts)
+        return MonteCarloNLAC(future_summary=render) if arm == "nlac_mc_critic" else \
+            SelfDistillation(future_summary=render)
     if arm == "nlql":
         return NLQL()
     budget = run.loop.critic_examples + run.loop.policy_examples  # same example budget as NLAC's two losses
