@@ -5,8 +5,8 @@ The unit-scale learning experiment (README, "Does NLAC learn?"):
 1. **Warm start** (cached in DIR/warm_start): a scripted corpus for every NLAC role on TRAIN tasks only
    (`experiments.corpus`), learned by the project's own train step (`experiments.warm_start`).
 2. **Arms** (`experiments.arms`), each from the warm start, per seed, at an equal budget of episodes and optimiser
-   steps per iteration: warm_start, nlac, nlac_no_critique, nlac_frozen_critic, rft, grpo. All arms run in ONE
-   process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
+   steps per iteration (`arms.ARMS`: warm start, NLAC, its ablations and critic variants, baselines). All arms run
+   in ONE process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
 3. **Outputs** in DIR: `results.md` (held-out success and return, mean ± std over seeds, per arm; critic
    diagnostics; seconds per arm), `learning_curves.png`, `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
    and `progress.log`. A rerun with the same DIR skips finished (arm, seed) pairs, so a killed run resumes.
@@ -132,8 +132,10 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
         os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
         for it in range(xcfg.iterations):
             m, dump = run.iteration(it, lambda phase: None, learner=learner)
-            if "eval/success_rate" in m:
-                m.update(probe(run, xcfg))
+            if "eval/success_rate" in m:  # probed as the arm's evaluation is: with the learner's routing
+                routes, sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
+                with run.roles.routing(routes, sets):
+                    m.update(probe(run, xcfg))
             rows.append(m)
             with open(os.path.join(out_dir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
                 f.write(dump)
@@ -151,7 +153,8 @@ def _read_rows(path: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- report
 TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
-              ("collect/success_rate", "train success (last iter)"), ("eval/verdict/accuracy", "verdict accuracy"),
+              ("collect/success_rate", "train success (last iter)"), ("eval/critic_auc", "critic AUC"),
+              ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
               ("eval/calib/return_mae", "calibration MAE"),
               ("probe/wasted_said_rl", "forecasts 'no answer': RL-wasted guesses"),
@@ -159,7 +162,9 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
 
 
 def _final(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    # the last row that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome class), never an older
+    # iteration's value
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return vals[-1] if vals else math.nan
 
 
@@ -219,11 +224,14 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     paths = []
     for name, panels in (
         ("learning_curves.png", (("eval/success_rate", "held-out success"),
+                                 ("eval/critic_auc", "critic AUC: scored P(success) vs held-out outcome"),
                                  ("collect/success_rate", "train success (sampled)"),
                                  ("eval/mean_return", "held-out return"))),
-        ("critic_curves.png", (("eval/calib/return_mae", "calibration MAE (return-to-go)"),
+        ("critic_curves.png", (("eval/critic_auc", "critic AUC of scored P(success)"),
+                               ("eval/critic_brier", "critic Brier score of P(success)"),
                                ("probe/wasted_said_rl", "forecasts 'no answer' for RL-wasted guesses"),
                                ("probe/wasted_said_corpus", "forecasts 'no answer' for corpus-only-wasted"),
+                               ("eval/calib/return_mae", "calibration MAE (return-to-go)"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
                                ("eval/verdict/truly_optimal", "fraction truly optimal"))),
