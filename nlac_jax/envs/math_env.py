@@ -161,11 +161,11 @@ class MathEnv(EnvBase):
     counts as incorrect, sets ``info['grader'] = 'timeout'`` and logs one short line for the episode.
     """
 
-    def __init__(self, max_action_chars: int = 16000, use_math_verify: bool = True, reveal_answer: bool = False,
+    def __init__(self, max_action_chars: int = 16000, use_math_verify: bool = True,
                  grade_timeout_s: float = DEFAULT_GRADE_TIMEOUT_S):
         self.max_turns = 1
         self.max_action_chars = max_action_chars
-        self.use_math_verify, self.reveal_answer = use_math_verify, reveal_answer
+        self.use_math_verify = use_math_verify
         self.grade_timeout_s = float(grade_timeout_s)
         self._task: Optional[Task] = None
 
@@ -199,7 +199,6 @@ class MathEnv(EnvBase):
                    'error': 'failed', 'unavailable': 'unavailable'}.get(grade.status, grade.status)
             log.warning("math grader %s on task %s (answer %r); counted as not equal", why, self._task.id,
                         clip_for_log(pred, 60))
+        # never the reference answer (it is in info['reference']): critic targets quote observations (envs.base)
         obs = 'Correct. Reward 1.' if ok else 'Incorrect. Reward 0.'
-        if self.reveal_answer and not ok:
-            obs += f' The reference answer is {ref}.'
         return StepResult(obs, 1.0 if ok else 0.0, True, info)

@@ -493,7 +493,8 @@ class TwentyQuestionsEnv(EnvBase):
         elif names_object(action_text, self.obj):
             self.done = True
             info['success'] = True
-            self._result = StepResult(f"Yes! You guessed it: the object is {self.obj.name}.", 0.0, True, info)
+            info['object'] = self.obj.name
+            self._result = StepResult("Yes! You guessed it.", 0.0, True, info)
         else:
             req = self.oracle.request(self.obj, action_text)
             if req is not None:
@@ -514,6 +515,8 @@ class TwentyQuestionsEnv(EnvBase):
     def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:
             self.done = True
-            return StepResult(f"{obs} You have used all {self.max_turns} questions. The object was "
-                              f"{self.obj.name}.", -1.0, True, info)
+            # the object is in info (logs), never in the observation: critic targets quote observations, and
+            # the agent never learns the object from a lost game (envs.base: observations hold no hidden answer)
+            info['object'] = self.obj.name
+            return StepResult(f"{obs} You have used all {self.max_turns} questions.", -1.0, True, info)
         return StepResult(obs, -1.0, False, info)
