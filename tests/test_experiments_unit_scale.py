@@ -129,7 +129,7 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
     cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale",
            "--gin_file=gin/experiments/unit_toy_learned_critic_smoke.gin", f"--workdir={workdir}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-3000:]
     weights = []
     for seed in (0, 1):

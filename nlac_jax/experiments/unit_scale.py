@@ -2,13 +2,16 @@
 
 The unit-scale learning experiment (README, "Does NLAC learn?"):
 
-1. **Warm start** (cached in DIR/warm_start): a scripted corpus for every NLAC role on TRAIN tasks only
-   (`experiments.corpus`), learned by the project's own train step (`experiments.warm_start`).
+1. **Warm start** (cached in DIR/warm_start, or DIR/warm_start_seed_<s> with one per seed): a scripted corpus for
+   every NLAC role on TRAIN tasks only (`experiments.corpus`: the oracle-critic reference; `experiments.
+   corpus_forecast`: the learned-critic experiment), learned by the project's own train step
+   (`experiments.warm_start`).
 2. **Arms** (`experiments.arms`), each from the warm start, per seed, at an equal budget of episodes and optimiser
    steps per iteration (`arms.ARMS`: warm start, NLAC, its ablations and critic variants, baselines). All arms run
    in ONE process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
 3. **Outputs** in DIR: `results.md` (held-out success and return, mean ± std over seeds, per arm; critic
-   diagnostics; seconds per arm), `learning_curves.png`, `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
+   diagnostics, the learned-critic experiment's knowledge probe; seconds per arm), `learning_curves.png`,
+   `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
    and `progress.log`. A rerun with the same DIR skips finished (arm, seed) pairs, so a killed run resumes.
 """
 
@@ -185,7 +188,8 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None) -
         lines.append(f"| {arm} | {len(per_seed)} | " + " | ".join(cells) + f" | {_mean_std(secs)} |")
     if reference:
         lines.append("")
-        lines.append("References on the held-out tasks (scripted, one episode per task): " +
+        lines.append(f"References on the held-out tasks (scripted policies, {reference.get('episodes', '?')} "
+                     "episodes): " +
                      ", ".join(f"{k} {v:.3f}" for k, v in reference.items() if k != "episodes"))
     return "\n".join(lines)
 
