@@ -97,7 +97,8 @@ def test_agrees_with_nlac_target_builder(source):
     d = [F.forecast(traj[t:], ps) for t in range(len(traj))]
     table = {"policy": {json.dumps(ps.policy(t.state)): t.action for t in traj},
              "successor": {json.dumps(ps.successor(t.state, t.action)): d[i] for i, t in enumerate(traj)},
-             "backup": {json.dumps(e.prompt_messages): e.target_text for e in ex if e.role == "backup"}}
+             "backup": {json.dumps(e.prompt_messages): e.target_text for e in ex
+                        if e.role == "backup" and e.meta["source"] == "behaviour"}}
     assert len(table["backup"]) == len(traj) - 1
     sampler = ScriptedRoleSampler({r: (lambda m, j, r=r: table[r][json.dumps(m)]) for r in table})
     built = build_critic_examples(traj, sampler, prompts=ps)

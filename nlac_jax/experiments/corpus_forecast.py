@@ -228,8 +228,8 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
       successor examples for the taken action and one alternative (its future played out counterfactually).
     skill_episodes: skill-game episodes (each wastes its own random set, every number with ``skill_waste_p``): per
-      step a backup example (non-terminal steps) and evaluator + refiner examples for the taken action and one
-      alternative, judged from the real future's forecast.
+      step backup examples (non-terminal steps) and evaluator + refiner examples for the taken action and one
+      alternative (its future played out counterfactually), judged from the real future's forecast.
     """
     ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
     cfg = target_cfg or TargetConfig()
@@ -263,8 +263,11 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
             out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta)
             alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number)
             cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
-            out += _judge_examples(ps, n, task, tr.state, alt, forecast(cf[t:], ps, cfg),
-                                   dict(meta, source="alternative"))
+            cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
+            ameta = dict(meta, source="alternative")
+            if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
+                out.append(_backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
+            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta)
     return out
 
 
