@@ -37,6 +37,9 @@ _BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions":
                  "denom_examples": np.float32}
 _DENOM_KEYS = ("denom_tokens", "denom_examples")
 
+METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples",
+               "num_tokens", "grad_norm", "learning_rate", "skipped", "skipped_total", "consecutive_skips", "step")
+
 
 def _with_denominators(batch: Mapping) -> dict:
     """The host batch with its loss denominators: a batch without them (built by hand, not by text.pack_*) is its
@@ -51,8 +54,6 @@ def _with_denominators(batch: Mapping) -> dict:
         lm, kind = np.asarray(batch["loss_mask"]), np.asarray(batch["kind"])
         batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind), kind)
     return batch
-METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples",
-               "num_tokens", "grad_norm", "learning_rate", "skipped", "skipped_total", "consecutive_skips", "step")
 
 
 class NonFiniteError(FloatingPointError):
