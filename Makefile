@@ -22,6 +22,9 @@ install: $(STAMP)
 DEMO_DIR ?= runs/demo_cpu
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
+	@echo "make demo: NLAC on the ORACLE-CRITIC REFERENCE (gin/experiments/unit_toy.gin: the evaluator's prompt carries"
+	@echo "the game's optimality rule). The honest learned-critic experiment (unit_toy_learned_critic.gin) does not yet"
+	@echo "show that NLAC learns there (README, 'Does NLAC learn?')."
 	$(PY) -m nlac_jax.train --gin_file=gin/runs/demo_cpu.gin --workdir=$(DEMO_DIR)
 
 # the tests also cover the optional seqio adapters (TensorFlow, ~2.5 GB): installed for `make test` only

@@ -382,12 +382,19 @@ class NLACRun:
 
     def iteration(self, it: int, bars, learner=None) -> tuple[dict, str]:
         """One iteration: collect → examples → train (→ eval). `learner` (default: NLAC, see nlac/algorithm.py) picks
-        the iteration's tasks and turns its episodes into training examples. Returns (metrics, example dump)."""
+        the iteration's tasks and turns its episodes into training examples; a learner with `routing()` (e.g. the
+        frozen critic) has its roles served by its own parameter sets for the whole iteration, evaluation included.
+        Returns (metrics, example dump)."""
+        learner = learner or self.learner
+        routes, param_sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
+        with self.roles.routing(routes, param_sets):
+            return self._iteration(it, bars, learner)
+
+    def _iteration(self, it: int, bars, learner) -> tuple[dict, str]:
         from nlac_jax.envs.base import episode_metrics
         from nlac_jax.nlac import evaluation
         from nlac_jax.rl import rollout
         np, loop, m = self._np, self.loop, {"iteration": it + 1}
-        learner = learner or self.learner
         compiled_before = compilations.snapshot()
 
         # collect

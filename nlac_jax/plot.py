@@ -3,7 +3,7 @@
     python -m nlac_jax.plot --workdir DIR [--out FILE]
 
 Reads DIR/metrics.jsonl (one line per finished iteration, written by nlac_jax.train) and draws success rate,
-return, the two losses, the critic diagnostics and seconds per phase. Prints the PNG's path.
+return, the critic's scored P(success) (AUC, Brier), the two losses, the critic diagnostics and seconds per phase. Prints the PNG's path.
 
 Exit codes: 0 done; 2 usage error (no such --workdir, no metrics.jsonl in it); 1 any other error (a malformed
 metrics line, an unwritable --out); --debug shows the full traceback instead of one line.
@@ -22,6 +22,8 @@ PROG = "python -m nlac_jax.plot"
 
 PANELS = (
     ("success rate", ("collect/success_rate", "eval/success_rate")),
+    ("critic: scored P(success) vs held-out outcomes", ("eval/critic_auc", "eval/critic_brier",
+                                                        "eval/critic_brier_base")),
     ("mean return", ("collect/mean_return", "eval/mean_return")),
     ("losses", ("train/l1", "train/l2")),
     ("critic: judged optimal / verdict accuracy", ("nlac/frac_optimal", "eval/verdict/accuracy")),
@@ -57,7 +59,10 @@ def plot_workdir(workdir: str, out: str | None = None) -> str:
 
     rows = read_metrics(workdir)
     out = out or fs.join(workdir, "learning_curves.png")
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    cols = -(-len(PANELS) // 2)
+    fig, axes = plt.subplots(2, cols, figsize=(5 * cols, 8))
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for k in keys:
             pts = [(r["iteration"], r[k]) for r in rows

@@ -9,6 +9,15 @@ parameters being trained) or ``'target'`` = θ̄ (their EMA). The trainer implem
 ``sampling.generate`` with θ or θ̄ (``nlac.model_roles.ModelRoleSampler``); tests use
 :class:`ScriptedRoleSampler`.
 
+Parameter routing: a sampler may serve some roles from another parameter set than the one the caller names,
+whatever it asks for (:func:`served_params`; ``routes`` maps role -> parameter-set name). The frozen-critic
+ablation routes 'successor' and 'evaluator' to a frozen copy of the warm start, so every call site (targets,
+evaluation, scoring) stays as it is and cannot forget the routing. Both samplers take routes through
+``routing(routes, param_sets)`` (a context manager) and record which set served each call.
+
+Scoring: ``score(messages_batch, continuations, params, role)`` returns log π(continuation | role prompt) per
+prompt, under the (routed) parameter set: the critic metrics read P(success | s, a) this way.
+
 How each role is sampled (temperature, top-p, token budget) is ONE gin-configurable object,
 :class:`RoleSampling` (``nlac.RoleSampling.*``). Every sampler exposes its settings as ``sampler.settings`` and
 ``sample`` accepts a ``settings`` override (held-out evaluation passes ``settings.evaluation()``), so a scripted
@@ -24,6 +33,7 @@ prompt-major: ``out[i * n + j]`` is sample ``j`` of prompt ``i``. Use :func:`gro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -42,8 +52,10 @@ __all__ = [
     "SamplerCall",
     "ScriptedRoleSampler",
     "TRUNCATED_REASONS",
+    "check_routes",
     "check_samples",
     "group",
+    "served_params",
     "texts",
 ]
 
@@ -53,6 +65,27 @@ CHAT_ROLES = ("policy", "successor", "backup", "evaluator", "refiner")
 
 ParamsName = Literal["policy", "target"]
 PARAMS_NAMES = ("policy", "target")
+
+
+
+def served_params(params: str, role: str, routes: Mapping[str, str] | None) -> str:
+    """The parameter set that serves a call for ``role`` that asked for ``params``: ``routes[role]`` when the role
+    is routed, else ``params`` itself."""
+    return (routes or {}).get(role, params)
+
+
+def check_routes(routes: Mapping[str, str] | None, known: Sequence[str]) -> dict[str, str]:
+    """``routes`` as a dict, refused with one line naming the role or parameter set at fault: every key must be one
+    of :data:`CHAT_ROLES`, every value one of ``known`` (the sampler's parameter-set names)."""
+    routes = dict(routes or {})
+    for role, name in routes.items():
+        if role not in CHAT_ROLES:
+            raise ValueError(f"parameter routes: unknown role {role!r} (roles are {list(CHAT_ROLES)})")
+        if name not in known:
+            raise ValueError(f"parameter routes: role {role!r} -> {name!r}, which is no parameter set of this "
+                             f"sampler (known: {sorted(known)})")
+    return routes
+
 
 # The sampler's stop reasons (sampling.GenerateOutput.stop_reason); the last two mean "cut off".
 STOP_REASONS = ("stop_token", "stop_string", "length", "context_full")
@@ -210,6 +243,7 @@ class SamplerCall:
     n: int
     outputs: list  # the Completions returned
     settings: RoleSampling  # the settings the call was sampled with (the sampler's own unless overridden)
+    served: str | None = None  # the parameter set that served the call (``params`` unless the role was routed)
 
     @property
     def temperature(self) -> float:
@@ -249,16 +283,35 @@ class ScriptedRoleSampler:
     A plain string is returned as ``Completion(text, 'stop_token')``; script a ``Completion`` to choose the stop
     reason (e.g. ``Completion(text, 'length')`` for a cut-off text). Roles without an entry return ``default``
     (raise if ``default`` is None). ``calls`` records every call as a :class:`SamplerCall`, in order, with the
-    settings it would have been sampled with (``settings``: default ``RoleSampling()``, so gin bindings apply).
+    settings it would have been sampled with (``settings``: default ``RoleSampling()``, so gin bindings apply) and the
+    parameter set that served it (``served``: see :meth:`routing`). ``scores(messages, continuation, served_set)
+    -> log-prob`` scripts :meth:`score` (None: every score is NaN, so no critic score is reported).
     """
 
     def __init__(self, responses: Mapping[str, Response] | None = None, default: Scripted | None = None,
-                 settings: RoleSampling | None = None):
+                 settings: RoleSampling | None = None,
+                 scores: Callable[[list[dict], str, str], float] | None = None):
         self.responses = dict(responses or {})
         self.default = default
         self.settings = settings if settings is not None else RoleSampling()
+        self.scores = scores
         self.calls: list[SamplerCall] = []
+        self.score_calls: list[SamplerCall] = []
+        self.routes: dict[str, str] = {}
+        self.param_sets: dict[str, Any] = {}
         self._cursor: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def routing(self, routes: Mapping[str, str] | None = None, param_sets: Mapping[str, Any] | None = None):
+        """Serve ``routes``' roles from the named parameter sets inside the block (see the module docstring);
+        ``param_sets`` name extra sets (their values are unused here: only the names are recorded)."""
+        old = self.routes, self.param_sets
+        sets = dict(param_sets or {})
+        self.routes, self.param_sets = check_routes(routes, PARAMS_NAMES + tuple(sets)), sets
+        try:
+            yield self
+        finally:
+            self.routes, self.param_sets = old
 
     def _next(self, role: str, messages: list[dict], j: int) -> Completion:
         r = self.responses.get(role, self.default)
@@ -289,9 +342,25 @@ class ScriptedRoleSampler:
         outputs = [self._next(role, msgs, j) for msgs in messages_batch for j in range(n)]
         self.calls.append(
             SamplerCall(role=role, params=params, messages_batch=copy.deepcopy(list(messages_batch)), n=n,
-                        outputs=list(outputs), settings=self.settings if settings is None else settings)
+                        outputs=list(outputs), settings=self.settings if settings is None else settings,
+                        served=served_params(params, role, self.routes))
         )
         return outputs
+
+    def score(self, messages_batch: list[list[dict]], continuations: Sequence[str], params: ParamsName,
+              role: str) -> list[float]:
+        """Scripted log-probabilities ``scores(messages, continuation, served parameter set)``, one per prompt
+        (NaN for every prompt without a ``scores`` function); recorded in ``score_calls`` (outputs = the scores)."""
+        if params not in PARAMS_NAMES:
+            raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
+        if len(continuations) != len(messages_batch):
+            raise ValueError(f"{len(continuations)} continuations for {len(messages_batch)} prompts")
+        served = served_params(params, role, self.routes)
+        out = [math.nan if self.scores is None else float(self.scores(m, c, served))
+               for m, c in zip(messages_batch, continuations)]
+        self.score_calls.append(SamplerCall(role=role, params=params, messages_batch=copy.deepcopy(list(messages_batch)),
+                                            n=1, outputs=list(out), settings=self.settings, served=served))
+        return out
 
     def calls_for(self, role: str) -> list[SamplerCall]:
         """The recorded calls for ``role``, in order."""
@@ -307,6 +376,7 @@ class ScriptedRoleSampler:
     def reset(self) -> None:
         """Forgets recorded calls and list cursors."""
         self.calls.clear()
+        self.score_calls.clear()
         self._cursor.clear()
 
 

@@ -147,3 +147,66 @@ def test_huge_guesses_are_clamped_not_crashing():
     r = env.step('9' * 50_000)
     assert r.observation == 'lower' and not r.info['error']
     assert env.step('-' + '9' * 50_000).observation == 'higher'
+
+
+def _reply(env, action):
+    return env.step(action)
+
+
+def test_waste_rule_multiples_of_three():
+    """Multiples of 3 get "no answer" (turn used, interval unchanged); the hidden number itself is still found,
+    even when it is a multiple of 3; other guesses answer as usual."""
+    env = GuessNumberEnv(n=32, waste_every=3)
+    env.reset(Task(id='t', split='test', payload={'target': 12, 'n': 32}))
+    r = env.step('9')
+    assert (r.observation, r.reward, r.done, r.info['wasted']) == ('no answer', 0.0, False, True)
+    assert (env.lo, env.hi, env.turn) == (1, 32, 1)  # nothing learned, a turn gone
+    assert env.step('10').observation == 'higher' and env.lo == 11
+    assert env.step('14').observation == 'lower' and env.hi == 13
+    assert env.step('13').observation == 'lower'
+    r = env.step('12')  # the target is a multiple of 3: still "correct"
+    assert (r.reward, r.done, r.info['success']) == (1.0, True, True)
+    assert [g for g in range(1, 33) if env.wasted(g)] == [3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
+
+
+def test_waste_rule_off_by_default_and_even_rule():
+    env = GuessNumberEnv(n=32)
+    env.reset(Task(id='t', split='test', payload={'target': 5, 'n': 32}))
+    assert env.step('6').observation == 'lower' and not env.has_waste
+    env = GuessNumberEnv(n=32, waste_every=2, wasted_numbers=(7,))
+    env.reset(Task(id='t', split='test', payload={'target': 5, 'n': 32}))
+    assert [env.step(a).observation for a in ('6', '7', '3')] == ['no answer', 'no answer', 'higher']
+    with pytest.raises(ValueError, match='waste_every'):
+        GuessNumberEnv(n=32, waste_every=-1)
+
+
+def test_waste_rule_out_of_turns_and_optimality():
+    env = GuessNumberEnv(n=8, max_turns=2, waste_every=3)
+    task = Task(id='t', split='test', payload={'target': 5, 'n': 8})
+    env.reset(task)
+    env.step('3')
+    r = env.step('6')
+    assert r.done and not r.info['success'] and r.observation.startswith('no answer. You are out of guesses')
+    # optimality with waste: inside the consistent interval and answered (or the target itself)
+    env.reset(task)
+    state = [{'role': 'system', 'content': 's'}, {'role': 'user', 'content': 'u'},
+             {'role': 'assistant', 'content': '3'}, {'role': 'user', 'content': 'no answer'},
+             {'role': 'assistant', 'content': '4'}, {'role': 'user', 'content': 'higher'}]
+    env = GuessNumberEnv(n=8, max_turns=4, waste_every=3)
+    env.reset(task)
+    assert env.optimal_actions(state) == {5, 7, 8}  # interval 5..8 after "4 higher"; 6 is wasted
+    assert [env.is_action_optimal(state, a) for a in ('5', '6', '4', 'x')] == [True, False, False, False]
+    env.reset(Task(id='t6', split='test', payload={'target': 6, 'n': 8}))
+    assert env.is_action_optimal(state, '6')  # the target is always worth guessing
+
+
+def test_waste_rule_is_a_gin_binding():
+    import gin
+    from nlac_jax.envs import make_env_factory  # noqa: F401  (registers the env classes)
+    with gin.unlock_config():
+        gin.parse_config('nlac_jax.envs.GuessNumberEnv.waste_every = 3')
+    try:
+        env = GuessNumberEnv(n=32)
+        assert env.waste_every == 3 and env.wasted(27) and not env.wasted(28)
+    finally:
+        gin.clear_config()

@@ -117,3 +117,33 @@ def test_warm_start_batches_are_padded_to_their_bucket():
         assert len(idx) == 2 and all(padded_length(lengths[i], 1024, 32) == width for i in idx)
         seen.update(idx)
     assert seen == set(range(len(lengths)))  # every example is drawn
+
+
+def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tmp_path):
+    """gin/experiments/unit_toy_learned_critic_smoke.gin end to end: one warm start per seed (different corpus and
+    warm-start seeds: different weights), the RL game's waste rule in the run's config, the knowledge probe in every
+    arm's metrics, the table and the scripted references written."""
+    import json
+    from safetensors.numpy import load_file
+    workdir = str(tmp_path / "lc")
+    cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale",
+           "--gin_file=gin/experiments/unit_toy_learned_critic_smoke.gin", f"--workdir={workdir}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    weights = []
+    for seed in (0, 1):
+        d = os.path.join(workdir, f"warm_start_seed_{seed}")
+        meta = json.load(open(os.path.join(d, "warm_start.json")))
+        assert meta["config"]["corpus"] == "toy_forecast"
+        (st,) = [n for n in os.listdir(d) if n.endswith(".safetensors")]
+        weights.append(load_file(os.path.join(d, st)))
+    assert any(not np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not os.path.isdir(os.path.join(workdir, "warm_start"))
+    assert "GuessNumberEnv.waste_every = 3" in open(os.path.join(workdir, "config.gin")).read()
+    table = open(os.path.join(workdir, "results.md")).read()
+    assert "oracle_refiner" in table and "corpus_rule_refiner" in table
+    for arm in ("warm_start", "nlac"):
+        assert f"| {arm} | 2 |" in table, table
+        rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_1", "metrics.jsonl"))]
+        assert all("probe/knowledge_accuracy" in r for r in rows if "eval/success_rate" in r), rows

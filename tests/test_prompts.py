@@ -645,3 +645,45 @@ def test_run_refuses_to_start_when_max_len_is_too_small(tmp_path):
     with pytest.raises(ValueError, match=r"start-up check: task 'toy'.*initial '(policy|successor|backup|evaluator|refiner)'"):
         loop.NLACRun(str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_outcome_first_summaries():
+    """Outcome-first summaries (toy_forecast): the line is found, replaced and kept in place, and truncation keeps
+    it; a text that lost it gets it back where the prompt set's format puts it."""
+    from nlac_jax.nlac.targets import truncate_summary
+    from nlac_jax.nlac.verdict import has_outcome_line, leading_outcome_line, strip_outcome_lines
+    d = "Outcome: failure; Return: 0\nReply: no answer. Next 17: higher. Then 3 more."
+    assert parse_outcome(d) == (False, 0.0) and leading_outcome_line(d) == "Outcome: failure; Return: 0"
+    assert leading_outcome_line("Reply: higher.\nOutcome: success; Return: 1") is None
+    assert strip_outcome_lines(d) == "Reply: no answer. Next 17: higher. Then 3 more."
+    assert replace_outcome_line(d, True, 1) == "Outcome: success; Return: 1\nReply: no answer. Next 17: higher. Then 3 more."
+    assert replace_outcome_line("Reply: higher.", True, 1, first=True) == "Outcome: success; Return: 1\nReply: higher."
+    assert replace_outcome_line("Reply: higher.", True, 1) == "Reply: higher.\nOutcome: success; Return: 1"
+    assert has_outcome_line(d, False, 0) and not has_outcome_line(d, True, 0)
+    assert has_outcome_line("Story.\nOutcome: success; Return: 1", True, 1)
+    cut = truncate_summary(d, 40)
+    assert cut == "Outcome: failure; Return: 0\nReply: n ..." and len(cut) == 40
+    assert P.PromptSet(task="toy", prompt_set="toy_forecast").outcome_first
+    assert not P.PromptSet(task="toy").outcome_first and not P.PromptSet(task="toy", prompt_set="toy_compact").outcome_first
+
+
+def test_toy_forecast_prompts_are_public_and_read_wasted_replies():
+    """toy_forecast: every role renders the same public state (wasted guesses shown as "no answer", the interval
+    unchanged by them), no calculator line anywhere, and the terminal summary states the outcome first and only
+    what the agent saw."""
+    from nlac_jax.envs import GuessNumberEnv
+    from nlac_jax.envs.base import Task
+    env = GuessNumberEnv(n=32, waste_every=3)
+    state = env.reset(Task(id="t5", split="test", payload={"target": 5}))
+    for guess in ("17", "9", "3", "4"):
+        state = state + [{"role": "assistant", "content": guess}, {"role": "user", "content": env.step(guess).observation}]
+    ps = P.PromptSet(task="toy", prompt_set="toy_forecast")
+    for messages in (ps.policy(state), ps.successor(state, "6"), ps.evaluator(state, "6", ["f"]),
+                     ps.refiner(state, "6", "c", []), ps.backup(state, "6", 0.0, "higher", "7", "f", (False, 0.0))):
+        text = messages[0]["content"]
+        assert len(messages) == 1 and "Possible now: 5 to 16, 2 guesses left." in text, messages
+        assert "History: 17 lower, 9 no answer, 3 no answer, 4 higher." in text and "Good guesses" not in text
+    assert ps.terminal_summary(0.0, 0.0, False, "[USER]\nno answer. You are out of guesses; the number was 5.") == (
+        "Outcome: failure; Return: 0\nReply: no answer. No guesses left.")
+    assert ps.terminal_summary(1.0, 1.0, True, "[USER]\nCorrect! The number was 5.") == (
+        "Outcome: success; Return: 1\nReply: correct.")

@@ -13,6 +13,15 @@ An action is optimal iff covered(g) == min(n, 2^r - 1), the best any guess can d
 success probability under a uniform prior over the consistent values. When the game can still be guaranteed
 (n <= 2^r - 1) this says "g is in the interval and both sides fit in the remaining r - 1 turns". Guesses outside
 the interval, unparsable actions, and actions after the game has ended are never optimal.
+
+Wasted guesses (``waste_every`` / ``wasted_numbers``, off by default): the judge answers "no answer" to a wrong
+guess that is a multiple of ``waste_every`` or in ``wasted_numbers``; the turn is used up and the interval does not
+change. A wasted number that IS the hidden number is still answered "correct", so every task stays winnable. The
+rule is the knowledge the learned-critic experiment (gin/experiments/unit_toy_learned_critic.gin) hides from the
+warm start: its corpus is played with evens wasted, its RL game wastes multiples of 3. With waste on, optimality is
+the plain rule "a guess inside the consistent interval that gets an answer" (the target, or a number that is not
+wasted): the exact maximiser of the success probability would need the whole waste set and the turn budget, and the
+experiment's critic judges exactly this (does the forecast say the guess gets an answer?).
 """
 
 from __future__ import annotations
@@ -57,6 +66,15 @@ def parse_guess(text: str) -> Optional[int]:
     return -int(digits) if negative else int(digits)
 
 
+WASTED_REPLY = 'no answer'
+
+
+def is_wasted(g: int, waste_every: int = 0, wasted_numbers: Sequence[int] = ()) -> bool:
+    """True iff the waste rule answers guess ``g`` with "no answer" (when ``g`` is not the hidden number): ``g`` is a
+    positive multiple of ``waste_every`` (0 = none) or in ``wasted_numbers``."""
+    return (waste_every > 0 and g > 0 and g % waste_every == 0) or g in wasted_numbers
+
+
 def _covered(g: int, lo: int, hi: int, r: int) -> int:
     if r <= 0 or not lo <= g <= hi:
         return 0
@@ -87,10 +105,19 @@ class GuessNumberTaskSource(TaskSource):
 
 @gin.configurable(module='nlac_jax.envs')
 class GuessNumberEnv(EnvBase):
-    """Hidden-number game. ``max_turns`` defaults to binary_search_turns(n) (the game is then tight)."""
+    """Hidden-number game. ``max_turns`` defaults to binary_search_turns(n) (the game is then tight).
+
+    waste_every / wasted_numbers: the waste rule (module docstring): a wrong guess that is a multiple of
+    ``waste_every`` (0 = none) or in ``wasted_numbers`` is answered "no answer" and teaches nothing.
+    """
 
     def __init__(self, n: int = 100, max_turns: Optional[int] = None,
-                 max_action_chars: int = DEFAULT_MAX_ACTION_CHARS):
+                 max_action_chars: int = DEFAULT_MAX_ACTION_CHARS, waste_every: int = 0,
+                 wasted_numbers: Sequence[int] = ()):
+        if int(waste_every) < 0:
+            raise ValueError(f"GuessNumberEnv.waste_every must be >= 0, got {waste_every}")
+        self.waste_every = int(waste_every)
+        self.wasted_numbers = frozenset(int(x) for x in wasted_numbers)
         self.n = int(n)
         self._max_turns_arg = max_turns  # None: follow the task's n (recomputed in reset)
         self.max_turns = int(max_turns) if max_turns is not None else binary_search_turns(self.n)
@@ -130,6 +157,9 @@ class GuessNumberEnv(EnvBase):
             self.done = True
             info['success'] = True
             return StepResult(f"Correct! The number was {self.target}.", 1.0, True, info)
+        elif self.wasted(g):
+            info['guess'], info['wasted'] = g, True
+            obs = WASTED_REPLY
         else:
             info['guess'] = g
             if g < self.target:
@@ -143,6 +173,15 @@ class GuessNumberEnv(EnvBase):
             info['target'] = self.target  # logs only: observations hold no hidden answer (envs.base)
             return StepResult(f"{obs}. You are out of guesses.", 0.0, True, info)
         return StepResult(obs, 0.0, False, info)
+
+    def wasted(self, g: int) -> bool:
+        """True iff a wrong guess ``g`` gets "no answer" under this game's waste rule."""
+        return is_wasted(g, self.waste_every, self.wasted_numbers)
+
+    @property
+    def has_waste(self) -> bool:
+        """Whether this game wastes any guess."""
+        return self.waste_every > 0 or bool(self.wasted_numbers)
 
     # --- optimality diagnostics -------------------------------------------------------------------------------
     def _replay(self, history: Sequence[dict]):
@@ -158,6 +197,8 @@ class GuessNumberEnv(EnvBase):
                 continue
             if g == self.target:
                 return lo, hi, self.max_turns - used, True
+            if self.wasted(g):
+                continue
             if g < self.target:
                 lo = max(lo, g + 1)
             else:
@@ -171,6 +212,8 @@ class GuessNumberEnv(EnvBase):
         lo, hi, r, over = self._replay(history)
         if over:
             return set()
+        if self.has_waste:
+            return {g for g in range(lo, hi + 1) if g == self.target or not self.wasted(g)}
         best = min(hi - lo + 1, 2 ** r - 1)
         return {g for g in range(lo, hi + 1) if _covered(g, lo, hi, r) == best}
 
@@ -184,6 +227,8 @@ class GuessNumberEnv(EnvBase):
         g = parse_guess(action)
         if g is None:
             return False
+        if self.has_waste:
+            return lo <= g <= hi and (g == self.target or not self.wasted(g))
         return _covered(g, lo, hi, r) == min(hi - lo + 1, 2 ** r - 1) and _covered(g, lo, hi, r) > 0
 
 

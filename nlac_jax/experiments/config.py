@@ -7,7 +7,10 @@ import dataclasses
 import gin
 
 from nlac_jax.experiments.arms import ARMS
+from nlac_jax.experiments import corpus_forecast  # noqa: F401  (registers experiments.forecast_corpus)
 from nlac_jax.experiments.corpus import DEFAULT_MIX
+
+CORPORA = ("toy", "toy_forecast")
 
 
 @gin.configurable(module="experiments")
@@ -20,7 +23,14 @@ class UnitScaleConfig:
     here replaces LoopConfig.iterations. Held-out evaluation: LoopConfig.eval_episodes test tasks, greedy, every
     `eval_every` iterations and before the first (iteration 0 = the warm start).
 
-    corpus_*: the toy corpus (`corpus.toy_corpus`: train tasks only); n is the game's N.
+    corpus: which warm-start corpus: 'toy' (`corpus.toy_corpus`, the oracle-critic reference: the evaluator's prompt
+      carries the optimality calculator) or 'toy_forecast' (`corpus_forecast.forecast_corpus`, the learned-critic
+      experiment: skills from skill games, the corpus game's wrong knowledge; its knobs are gin bindings of
+      `experiments.forecast_corpus`).
+    corpus_*: the corpus's episodes and seed (train tasks only); n is the game's N.
+    warm_start_per_seed: one warm start per seed, in WORKDIR/warm_start_seed_<s>, from corpus seed corpus_seed + s
+      and warm-start seed warm_seed + s (every seed then measures a different warm start as well); False: one warm
+      start (WORKDIR/warm_start) shared by every seed.
     warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
@@ -32,6 +42,7 @@ class UnitScaleConfig:
     eval_every: int = 2
     grpo_group_size: int = 4
     n: int = 32
+    corpus: str = "toy"
     corpus_episodes: int = 400
     corpus_seed: int = 0
     corpus_mix: tuple = DEFAULT_MIX
@@ -41,11 +52,14 @@ class UnitScaleConfig:
     warm_max_len: int = 1024
     warm_seed: int = 0
     warm_bucket_multiple: int | None = 32
+    warm_start_per_seed: bool = False
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"UnitScaleConfig.arms: unknown arm(s) {unknown}; arms are {list(ARMS)}")
+        if self.corpus not in CORPORA:
+            raise ValueError(f"UnitScaleConfig.corpus: unknown corpus {self.corpus!r}; corpora are {list(CORPORA)}")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
         for name in ("iterations", "eval_every", "grpo_group_size", "n", "corpus_episodes", "warm_steps",

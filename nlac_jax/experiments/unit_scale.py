@@ -2,13 +2,16 @@
 
 The unit-scale learning experiment (README, "Does NLAC learn?"):
 
-1. **Warm start** (cached in DIR/warm_start): a scripted corpus for every NLAC role on TRAIN tasks only
-   (`experiments.corpus`), learned by the project's own train step (`experiments.warm_start`).
+1. **Warm start** (cached in DIR/warm_start, or DIR/warm_start_seed_<s> with one per seed): a scripted corpus for
+   every NLAC role on TRAIN tasks only (`experiments.corpus`: the oracle-critic reference; `experiments.
+   corpus_forecast`: the learned-critic experiment), learned by the project's own train step
+   (`experiments.warm_start`).
 2. **Arms** (`experiments.arms`), each from the warm start, per seed, at an equal budget of episodes and optimiser
-   steps per iteration: warm_start, nlac, nlac_no_critique, nlac_frozen_critic, rft, grpo. All arms run in ONE
-   process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
+   steps per iteration (`arms.ARMS`: warm start, NLAC, its ablations and critic variants, baselines). All arms run
+   in ONE process through one `loop.NLACRun`: the sampler's and the train step's executables are compiled once.
 3. **Outputs** in DIR: `results.md` (held-out success and return, mean ± std over seeds, per arm; critic
-   diagnostics; seconds per arm), `learning_curves.png`, `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
+   diagnostics, the learned-critic experiment's knowledge probe; seconds per arm), `learning_curves.png`,
+   `critic_curves.png`, `arms/<arm>/seed_<s>/metrics.jsonl`
    and `progress.log`. A rerun with the same DIR skips finished (arm, seed) pairs, so a killed run resumes.
 """
 
@@ -39,21 +42,38 @@ def _progress(workdir: str, msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- warm start
-def build_warm_start(workdir: str, xcfg) -> str:
-    """DIR/warm_start as an HF directory (built once; a finished one is reused). Returns its path."""
-    from nlac_jax.experiments import corpus, warm_start
+def warm_start_dir(workdir: str, xcfg, seed: int) -> str:
+    """Where seed ``seed``'s warm start lives: DIR/warm_start (shared) or DIR/warm_start_seed_<seed>."""
+    return os.path.join(workdir, f"{WARM_DIR}_seed_{seed}" if xcfg.warm_start_per_seed else WARM_DIR)
+
+
+def corpus_examples(xcfg, corpus_seed: int) -> tuple[list, dict]:
+    """(examples, statistics) of the configured corpus (`UnitScaleConfig.corpus`) for ``corpus_seed``."""
+    from nlac_jax.experiments import corpus, corpus_forecast
+    if xcfg.corpus == "toy_forecast":
+        examples = corpus_forecast.forecast_corpus(xcfg.n, xcfg.corpus_episodes, corpus_seed)
+    else:
+        examples = corpus.toy_corpus(xcfg.n, xcfg.corpus_episodes, corpus_seed, mix=xcfg.corpus_mix)
+    return examples, corpus.corpus_stats(examples)
+
+
+def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
+    """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused).
+    Per-seed warm starts use corpus seed ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
+    from nlac_jax.experiments import warm_start
     from nlac_jax.models import building
-    out = os.path.join(workdir, WARM_DIR)
+    out = warm_start_dir(workdir, xcfg, seed)
     if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
         _progress(workdir, f"warm start: reusing {out}")
         return out
+    offset = seed if xcfg.warm_start_per_seed else 0
     t0 = time.perf_counter()
-    examples = corpus.toy_corpus(xcfg.n, xcfg.corpus_episodes, xcfg.corpus_seed, mix=xcfg.corpus_mix)
-    stats = corpus.corpus_stats(examples)
+    examples, stats = corpus_examples(xcfg, xcfg.corpus_seed + offset)
     model_cfg, tok, _ = building.build_model(model_dir=None)
     history: list = []
+    _progress(workdir, f"warm start {os.path.basename(out)}: {len(examples)} corpus examples, {xcfg.warm_steps} steps")
     state = warm_start.train_warm_start(model_cfg, tok, examples, xcfg.warm_steps, xcfg.warm_batch_size,
-                                        xcfg.warm_learning_rate, xcfg.warm_seed, xcfg.warm_max_len,
+                                        xcfg.warm_learning_rate, xcfg.warm_seed + offset, xcfg.warm_max_len,
                                         log_every=max(1, xcfg.warm_steps // 10), history=history,
                                         bucket_multiple=xcfg.warm_bucket_multiple)
     seconds = time.perf_counter() - t0
@@ -62,7 +82,8 @@ def build_warm_start(workdir: str, xcfg) -> str:
         "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg)})
     os.replace(tmp, out)  # the metadata file marks a complete warm start: never reuse a half-written one
     last = history[-1] if history else {}
-    _progress(workdir, f"warm start: {len(examples)} corpus examples, {xcfg.warm_steps} steps in {seconds:.0f} s "
+    _progress(workdir, f"warm start {os.path.basename(out)}: {len(examples)} corpus examples, {xcfg.warm_steps} "
+                       f"steps in {seconds:.0f} s "
                        f"(final L1 {last.get('train/l1', math.nan):.3f}, L2 {last.get('train/l2', math.nan):.3f})")
     return out
 
@@ -76,14 +97,32 @@ def _fresh_state(run, warm_params, seed: int):
                                        donate_params=True)
 
 
+def _load_params(run, directory: str):
+    """Host copies of the parameters saved in ``directory`` (a warm start of the run's architecture)."""
+    import jax
+    from nlac_jax.models import hf_io
+    return jax.device_get(hf_io.load_params(directory, run.cfg))
+
+
 def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> None:
-    """Point the shared run at a new (arm, seed): warm-start θ = θ̄, fresh optimiser, buffer and task cursor."""
+    """Point the shared run at a new (arm, seed): warm-start θ = θ̄, fresh optimiser, buffer and task cursor.
+    ``run.warm_params`` keeps the seed's warm-start parameters (host arrays) for arms that need them untouched."""
     from nlac_jax.rl import ReplayBuffer
+    run.warm_params = warm_params
     run.loop = dataclasses.replace(run.base_loop, seed=seed, iterations=iterations, eval_every=eval_every)
     run.holder.state = _fresh_state(run, warm_params, seed)
     run.buffer = ReplayBuffer(run.loop.buffer_capacity)
     run.cursor = run.task_source.iterate(run.task_source.train_split, seed=seed)
     run.roles.seed = seed
+
+
+def probe(run, xcfg) -> dict:
+    """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`); {} for other corpora."""
+    if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "waste_every", 0):
+        return {}
+    from nlac_jax.experiments import corpus_forecast
+    corpus_waste = gin.get_bindings(corpus_forecast.forecast_corpus).get("corpus_waste_every", 2)
+    return corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, run.judge_env.waste_every, corpus_waste)
 
 
 def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_eval: dict) -> list[dict]:
@@ -96,6 +135,10 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
         os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
         for it in range(xcfg.iterations):
             m, dump = run.iteration(it, lambda phase: None, learner=learner)
+            if "eval/success_rate" in m:  # probed as the arm's evaluation is: with the learner's routing
+                routes, sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
+                with run.roles.routing(routes, sets):
+                    m.update(probe(run, xcfg))
             rows.append(m)
             with open(os.path.join(out_dir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
                 f.write(dump)
@@ -113,13 +156,18 @@ def _read_rows(path: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- report
 TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
-              ("collect/success_rate", "train success (last iter)"), ("eval/verdict/accuracy", "verdict accuracy"),
+              ("collect/success_rate", "train success (last iter)"), ("eval/critic_auc", "critic AUC"),
+              ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
-              ("eval/calib/return_mae", "calibration MAE"))
+              ("eval/calib/return_mae", "calibration MAE"),
+              ("probe/wasted_said_rl", "forecasts 'no answer': RL-wasted guesses"),
+              ("probe/wasted_said_corpus", "forecasts 'no answer': corpus-only-wasted guesses"))
 
 
 def _final(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    # the last row that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome class), never an older
+    # iteration's value
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return vals[-1] if vals else math.nan
 
 
@@ -140,7 +188,8 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None) -
         lines.append(f"| {arm} | {len(per_seed)} | " + " | ".join(cells) + f" | {_mean_std(secs)} |")
     if reference:
         lines.append("")
-        lines.append("References on the held-out tasks (scripted, one episode per task): " +
+        lines.append(f"References on the held-out tasks (scripted policies, {reference.get('episodes', '?')} "
+                     "episodes): " +
                      ", ".join(f"{k} {v:.3f}" for k, v in reference.items() if k != "episodes"))
     return "\n".join(lines)
 
@@ -179,9 +228,14 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     paths = []
     for name, panels in (
         ("learning_curves.png", (("eval/success_rate", "held-out success"),
+                                 ("eval/critic_auc", "critic AUC: scored P(success) vs held-out outcome"),
                                  ("collect/success_rate", "train success (sampled)"),
                                  ("eval/mean_return", "held-out return"))),
-        ("critic_curves.png", (("eval/calib/return_mae", "calibration MAE (return-to-go)"),
+        ("critic_curves.png", (("eval/critic_auc", "critic AUC of scored P(success)"),
+                               ("eval/critic_brier", "critic Brier score of P(success)"),
+                               ("probe/wasted_said_rl", "forecasts 'no answer' for RL-wasted guesses"),
+                               ("probe/wasted_said_corpus", "forecasts 'no answer' for corpus-only-wasted"),
+                               ("eval/calib/return_mae", "calibration MAE (return-to-go)"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
                                ("eval/verdict/truly_optimal", "fraction truly optimal"))),
@@ -203,20 +257,22 @@ def run_experiment(workdir: str) -> dict:
     """Warm start (cached), every (arm, seed) not yet done, then the table and the plots. Returns the results."""
     import jax
     from nlac_jax import loop
-    from nlac_jax.experiments import corpus
+    from nlac_jax.experiments import corpus, corpus_forecast
     from nlac_jax.experiments.config import UnitScaleConfig
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     xcfg = UnitScaleConfig()
     with open(os.path.join(workdir, "config.gin"), "w") as f:
         f.write(gin.config_str())
-    warm_dir = build_warm_start(workdir, xcfg)
+    warm_dirs = {}
+    for seed in xcfg.seeds:  # every warm start first: a killed run resumes at the arms
+        warm_dirs[seed] = build_warm_start(workdir, xcfg, seed)
     with gin.unlock_config():
-        gin.bind_parameter("build_model.model_dir", warm_dir)
+        gin.bind_parameter("build_model.model_dir", warm_dirs[xcfg.seeds[0]])
     t0 = time.perf_counter()
     run = loop.NLACRun(os.path.join(workdir, "run"), restore=False)
     run.base_loop = run.loop
-    warm_params = jax.device_get(run.holder.state.params)
+    shared_params = jax.device_get(run.holder.state.params)
     _progress(workdir, f"shared run built in {time.perf_counter() - t0:.0f} s; arms {list(xcfg.arms)}, "
                        f"seeds {list(xcfg.seeds)}, {xcfg.iterations} iterations")
 
@@ -224,6 +280,7 @@ def run_experiment(workdir: str) -> dict:
     seconds: dict = {a: {} for a in xcfg.arms}
     for seed in xcfg.seeds:
         initial = None
+        warm_params = shared_params if warm_dirs[seed] == warm_dirs[xcfg.seeds[0]] else _load_params(run, warm_dirs[seed])
         for arm in xcfg.arms:
             out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
             done = os.path.join(out_dir, DONE)
@@ -236,6 +293,7 @@ def run_experiment(workdir: str) -> dict:
             if initial is None:  # the warm start's evaluation: the same for every arm of this seed
                 _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
                 initial = run.evaluate(-1)
+                initial.update(probe(run, xcfg))
             t1 = time.perf_counter()
             rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
             secs = time.perf_counter() - t1
@@ -245,7 +303,12 @@ def run_experiment(workdir: str) -> dict:
             _progress(workdir, f"{arm} seed {seed}: held-out success {_final(rows, 'eval/success_rate'):.3f} "
                                f"(warm start {initial.get('eval/success_rate', math.nan):.3f}), {secs:.0f} s")
     tasks = run.eval_tasks
-    reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
+    if xcfg.corpus == "toy_forecast":
+        reference = corpus_forecast.reference_success_rates(xcfg.n, sorted({t.id: t for t in tasks}.values(),
+                                                                           key=lambda t: t.id),
+                                                            run.judge_env.waste_every, seed=0)
+    else:
+        reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
     table = results_table(results, seconds, reference)
     curves, critic = plot_results(results, workdir)
     with open(os.path.join(workdir, "results.md"), "w") as f:

@@ -1,24 +1,35 @@
 """NLAC as a learner: how one iteration's experience becomes training examples.
 
-The loop (`nlac_jax.loop.NLACRun`) owns collection, the train step and evaluation; a *learner* owns the two
-choices where algorithms differ: which tasks the iteration's episodes play (`take_tasks`) and which examples the
-episodes become (`examples`). `NLAC` is the default learner; the unit-scale experiment's baselines (RFT, GRPO in
-`nlac_jax.experiments.arms`) implement the same two methods, so every arm shares budgets, sampler and step.
+The loop (`nlac_jax.loop.NLACRun`) owns collection, the train step and evaluation; a *learner* owns the choices
+where algorithms differ: which tasks the iteration's episodes play (`take_tasks`), which examples the episodes
+become (`examples`) and, optionally, which parameter set serves which role (`routing`, applied by the loop to the
+whole iteration, evaluation included). `NLAC` is the default learner; the unit-scale experiment's other arms
+(`nlac_jax.experiments.arms`) implement the same methods, so every arm shares budgets, sampler and step.
 
 NLAC here: the episodes' transitions enter the replay buffer; `critic_examples` transitions are sampled for
 language Bellman backups (L1) and `policy_examples` for critique + refinement (L2), as `nlac.targets` builds them.
-With `critic_examples = 0` the critic gets no L1 update (the "frozen critic" ablation); `TargetConfig.
-ablate_critique` replaces the evaluator's text with an uninformative one (the "blind refiner" ablation).
+The two halves are separate methods (`critic_examples_for`, `policy_examples_for`) so that a variant replaces one:
+
+* `critic_examples = 0`: no L1 examples, θ shared (the `nlac_no_l1` arm: L2 still moves the successor's weights);
+* `frozen_roles=("successor", "evaluator")` + `freeze(run)`: those roles are served by a frozen copy of the
+  parameters taken at the arm's start (the warm start), whatever θ/θ̄ the call names (`nlac_frozen_critic`);
+* `MonteCarloNLAC`: L1's targets are summaries of the real futures in the buffer, not Bellman backups;
+* `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from nlac_jax.nlac import targets
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.text import KIND_CRITIC
 
-__all__ = ["Learner", "NLAC"]
+__all__ = ["FROZEN", "Learner", "NLAC", "MonteCarloNLAC", "freeze_params"]
+
+FROZEN = "frozen"  # the name of the frozen parameter set in the sampler's routing
 
 
 class Learner(Protocol):
@@ -36,35 +47,136 @@ class Learner(Protocol):
         ...
 
 
+def freeze_params(params):
+    """A private copy of a parameter tree, same shardings: the train step donates θ, so the frozen set must own
+    its buffers. One jitted copy (every process runs it, as every other step on global arrays)."""
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(params)
+
+
 @dataclasses.dataclass
 class NLAC:
     """The NLAC learner: replay buffer → Bellman targets (θ̄) + critique-and-refine targets (θ).
 
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each loss
     (None: the run's LoopConfig values). target_cfg: None = the run's TargetConfig.
+    frozen_roles: roles served by the frozen parameter set (`freeze` takes it); () = none.
     """
 
     critic_examples: int | None = None
     policy_examples: int | None = None
     target_cfg: targets.TargetConfig | None = None
     name: str = "nlac"
+    frozen_roles: tuple = ()
+    frozen_params: Any = dataclasses.field(default=None, repr=False)
+
+    def freeze(self, run: Any) -> "NLAC":
+        """Keep a copy of the run's current θ (at the arm's start: the warm start) to serve `frozen_roles`."""
+        self.frozen_params = freeze_params(run.holder.state.params)
+        return self
+
+    def routing(self) -> tuple[dict, dict]:
+        """(role -> parameter-set name, name -> parameters) for the loop's `roles.routing`."""
+        if not self.frozen_roles:
+            return {}, {}
+        if self.frozen_params is None:
+            raise ValueError(f"learner {self.name!r} routes {list(self.frozen_roles)} to frozen parameters but "
+                             "none were kept: call freeze(run) at the arm's start")
+        return {r: FROZEN for r in self.frozen_roles}, {FROZEN: self.frozen_params}
 
     def take_tasks(self, run: Any, n: int) -> list:
         return run.cursor.take(n)
+
+    def _counts(self, run: Any) -> tuple[int, int]:
+        n_c = run.loop.critic_examples if self.critic_examples is None else self.critic_examples
+        n_p = run.loop.policy_examples if self.policy_examples is None else self.policy_examples
+        return n_c, n_p
+
+    def critic_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
+        """L1: `n` buffer transitions -> language Bellman backups (targets.build_critic_examples)."""
+        size = len(run.buffer)
+        batch = run.buffer.sample(min(n, size), rng) if n and size else []
+        return targets.build_critic_examples(batch, run.roles, cfg, run.prompts, stats)
+
+    def policy_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
+        """L2: `n` buffer states -> critique + refinement (targets.build_policy_examples)."""
+        size = len(run.buffer)
+        batch = run.buffer.sample(min(n, size), rng) if n and size else []
+        return targets.build_policy_examples(batch, run.roles, cfg, run.prompts, stats)
 
     def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict
                  ) -> tuple[list, str]:
         run.buffer.add(transitions)
         metrics.update(run.buffer.stats())
-        n_c = run.loop.critic_examples if self.critic_examples is None else self.critic_examples
-        n_p = run.loop.policy_examples if self.policy_examples is None else self.policy_examples
+        n_c, n_p = self._counts(run)
         cfg = self.target_cfg or run.target_cfg
-        size = len(run.buffer)
-        critic_t = run.buffer.sample(min(n_c, size), rng) if n_c and size else []
-        policy_t = run.buffer.sample(min(n_p, size), rng) if n_p and size else []
         stats = targets.TargetStats()
-        critic = targets.build_critic_examples(critic_t, run.roles, cfg, run.prompts, stats)
-        policy = targets.build_policy_examples(policy_t, run.roles, cfg, run.prompts, stats)
+        # critic first, then policy: the buffer's sampling order (and so every seed's batches) stays as before
+        critic = self.critic_examples_for(run, episodes, rng, n_c, cfg, stats, metrics)
+        policy = self.policy_examples_for(run, episodes, rng, n_p, cfg, stats, metrics)
         metrics.update(stats.as_dict("nlac/"))
         return targets.trainable(critic + policy), targets.format_examples_for_humans(
             critic + policy, n=run.loop.dump_examples)
+
+
+FutureSummary = Callable[[Sequence, PromptSet, targets.TargetConfig], str]
+
+
+@dataclasses.dataclass
+class MonteCarloNLAC(NLAC):
+    """NLAC whose critic learns from real futures: each finished episode's step t gives the example
+    successor(s_t, a_t) -> future_summary(transitions t..T) (the episode's actual remaining turns and outcome, in
+    the successor's format), kept in a FIFO of `capacity` (None: the run's buffer capacity); L1 samples
+    `critic_examples` of them per iteration, as NLAC samples its backups. Truncated episodes (no terminal step:
+    their real outcome is unknown) give none and are counted. The policy side is NLAC's.
+
+    future_summary(transitions t..T, prompt set, TargetConfig) -> summary: the renderer the warm-start corpus
+    writes the successor's examples with (the experiment passes its corpus's), so the MC targets are in exactly
+    the format the successor learned."""
+
+    future_summary: FutureSummary | None = None
+    capacity: int | None = None
+    name: str = "nlac_mc_critic"
+
+    def __post_init__(self):
+        self._futures: collections.deque | None = None
+
+    def _add_episodes(self, run: Any, episodes: Sequence, cfg, metrics: dict) -> None:
+        from nlac_jax.rl.transitions import transitions_from_episode
+        if self._futures is None:
+            self._futures = collections.deque(maxlen=self.capacity or run.loop.buffer_capacity)
+        if self.future_summary is None:
+            raise ValueError(f"learner {self.name!r} needs a future_summary renderer (the corpus's)")
+        render = self.future_summary
+        added = unfinished = 0
+        for ep in episodes:
+            traj = transitions_from_episode(ep, task=run.env_name)
+            if not traj or not traj[-1].done:
+                unfinished += 1
+                continue
+            ps = run.prompts
+            for t in range(len(traj)):
+                target = render(traj[t:], ps, cfg)
+                if target.strip():
+                    self._futures.append((traj[t], target))
+                    added += 1
+        metrics.update({"mc/futures_added": added, "mc/unfinished_episodes": unfinished,
+                        "mc/futures": len(self._futures)})
+
+    def critic_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
+        self._add_episodes(run, episodes, cfg, metrics)
+        size = len(self._futures)
+        k = min(n, size)
+        idx = rng.choice(size, size=k, replace=False) if k else []
+        out = []
+        for i in idx:
+            t, target = self._futures[int(i)]
+            out.append(targets.CriticExample(
+                prompt_messages=run.prompts.successor(t.state, t.action),
+                target_text=targets.truncate_summary(target, cfg.max_summary_chars), kind=KIND_CRITIC,
+                weight=cfg.critic_example_weight, task=t.task, state=t.state, action=t.action, reward=t.reward,
+                terminal=bool(t.done)))
+        stats.critic_examples += len(out)
+        stats.terminal_examples += sum(1 for e in out if e.terminal)
+        return out

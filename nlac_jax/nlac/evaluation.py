@@ -3,9 +3,14 @@
 Acting: :func:`make_policy_fn` plugs the prompt set's policy prompt and :func:`~nlac_jax.nlac.verdict.clean_action`
 into the generic ``rl.rollout`` policy (rl must not import nlac, so the NLAC pieces are joined here).
 
-Calibration: the successor model's predicted outcome/return for (s_t, a_t), parsed from its summary's final
-line, against the return the episode actually reached from t on. Verdict accuracy: where the environment knows
-which actions are optimal (`Env.is_action_optimal`), how often the evaluator's verdict agrees.
+Critic scores (``critic_*``, the low-variance read of the critic): P(success | s_t, a_t) scored directly from the
+successor model (`critic_scores`), against whether the episode succeeded: AUC and Brier score over up to
+`score_transitions` held-out pairs. Served by whichever parameter set serves the successor role (the frozen
+critic's own under its routing).
+
+Calibration: the successor model's predicted outcome/return for (s_t, a_t), parsed from a sampled summary's
+Outcome line, against the return the episode actually reached from t on. Verdict accuracy: where the environment
+knows which actions are optimal (`Env.is_action_optimal`), how often the evaluator's verdict agrees.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from nlac_jax.envs.base import EnvBase, Episode, episode_metrics
+from nlac_jax.nlac import critic_scores
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict, strip_think
 from nlac_jax.rl import rollout
 from nlac_jax.roles import RoleSampler, RoleSampling, check_samples, texts
 
-__all__ = ["critic_diagnostics", "evaluate", "make_policy_fn"]
+__all__ = ["critic_diagnostics", "critic_score_metrics", "evaluate", "make_policy_fn"]
+
+SCORE_TRANSITIONS = 128  # held-out (s, a) pairs scored per evaluation (two continuations each, one forward)
 
 
 def make_policy_fn(sampler: RoleSampler, prompts: PromptSet, params: str = "policy",
@@ -45,6 +53,37 @@ def _is_optimal(judge_env, task, state, action):
     return judge_env.is_action_optimal(state, action)
 
 
+def _spread(n: int, k: int) -> list[int]:
+    """Up to k indices evenly spaced over range(n) (the first ones would all come from the first few episodes)."""
+    if n <= k:
+        return list(range(n))
+    return sorted({int(round(i)) for i in np.linspace(0, n - 1, k)})
+
+
+def critic_score_metrics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet,
+                         max_transitions: int = SCORE_TRANSITIONS, params: str = "policy") -> dict:
+    """AUC and Brier score of the scored P(success | s_t, a_t) against each pair's episode outcome, over up to
+    `max_transitions` (s_t, a_t) pairs evenly spaced over all the episodes' transitions.
+
+    Needs summaries that start with their Outcome line: a prompt set whose `outcome_first` is False gets no pairs.
+    Returns critic_n (pairs with a finite score), critic_auc (NaN unless both outcomes occur), critic_brier,
+    critic_p_success (mean P), critic_base_rate (fraction of pairs from successful episodes) and critic_brier_base
+    (the Brier score of always forecasting that base rate: what a critic that knows nothing about (s, a) reaches).
+    """
+    pairs = [(t.state, t.action, bool(ep.success)) for ep in episodes for t in ep.transitions]
+    pairs = [pairs[i] for i in _spread(len(pairs), max_transitions)]
+    if getattr(prompts, "outcome_first", None) is False:
+        pairs = []  # summaries END with their Outcome line: the first tokens after the prompt say nothing of it
+    p = critic_scores.success_probabilities(sampler, prompts, [(s, a) for s, a, _ in pairs], params)
+    ok = np.isfinite(p)
+    y = np.asarray([succ for _, _, succ in pairs], bool)[ok] if pairs else np.zeros(0, bool)
+    p = p[ok]
+    base = float(y.mean()) if len(y) else math.nan
+    return {"critic_n": int(len(p)), "critic_auc": critic_scores.auc(p, y), "critic_brier": critic_scores.brier(p, y),
+            "critic_p_success": float(p.mean()) if len(p) else math.nan, "critic_base_rate": base,
+            "critic_brier_base": critic_scores.brier(np.full(len(y), base), y) if len(y) else math.nan}
+
+
 def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompts: PromptSet, judge_env,
                        max_transitions: int = 16, params: str = "policy",
                        settings: RoleSampling | None = None) -> dict:
@@ -60,9 +99,8 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
         for t, rtg in zip(ep.transitions, _returns_to_go(ep)):
             items.append((t.state, t.action, rtg, bool(ep.success)))
             item_tasks.append(ep.task)
-    if len(items) > max_transitions:
-        keep = sorted({int(round(i)) for i in np.linspace(0, len(items) - 1, max_transitions)})
-        items, item_tasks = [items[i] for i in keep], [item_tasks[i] for i in keep]
+    keep = _spread(len(items), max_transitions)
+    items, item_tasks = [items[i] for i in keep], [item_tasks[i] for i in keep]
     out = {"calib/n": len(items)}
     if not items:
         return out
@@ -97,8 +135,10 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
 
 def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
              params: str = "policy", calibration_transitions: int = 16, max_turns: int | None = None,
-             settings: RoleSampling | None = None, processes=None) -> tuple[dict, list[Episode]]:
-    """Held-out episodes + critic diagnostics. Returns (metrics under 'eval/', episodes).
+             settings: RoleSampling | None = None, processes=None,
+             score_transitions: int = SCORE_TRANSITIONS) -> tuple[dict, list[Episode]]:
+    """Held-out episodes + critic scores (`critic_score_metrics`, over `score_transitions` pairs; 0 = off) +
+    critic diagnostics. Returns (metrics under 'eval/', episodes).
 
     The policy acts at ``settings.eval_temperature`` (default: its sampling temperature, see ``RoleSampling``); the
     critic's roles keep their training settings. settings: None = the sampler's own.
@@ -109,6 +149,9 @@ def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: Pro
     policy_fn = make_policy_fn(sampler, prompts, params, settings=settings.evaluation())
     episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns, processes=processes)
     m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
+    if score_transitions > 0:
+        m.update({f"eval/{k}": v for k, v in critic_score_metrics(
+            episodes, sampler, prompts, score_transitions, params).items()})
     if calibration_transitions > 0:
         m.update({f"eval/{k}": v for k, v in critic_diagnostics(
             episodes, sampler, prompts, judge_env, calibration_transitions, params, settings=settings).items()})

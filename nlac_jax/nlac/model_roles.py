@@ -1,19 +1,22 @@
 """The trainer's RoleSampler: every NLAC role sampled by the in-process JAX sampler from θ or θ̄.
 
-One compiled `sampling.Sampler` serves every role and both parameter sets: parameters are arguments, so θ and θ̄
-(the trainer's live, sharded arrays) go through the same executables with no copy and no recompilation.
+One compiled `sampling.Sampler` serves every role and every parameter set: parameters are arguments, so θ, θ̄
+(the trainer's live, sharded arrays) and any extra set (the frozen-critic arm's warm-start copy) go through the
+same executables with no copy and no recompilation. Scoring (`score`: log π of a given continuation) runs through
+`training.scoring.Scorer`, the train step's forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling
+from nlac_jax.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling, check_routes, served_params
 
 
 @dataclasses.dataclass
@@ -54,6 +57,9 @@ class ModelRoleSampler:
     """RoleSampler over `sampling.Sampler`.
 
     get_params: 'policy' -> θ, 'target' -> θ̄ (called at every sample, so it always sees the current arrays).
+      Inside `routing(routes, param_sets)`, a routed role is served by the named set instead (`roles.served_params`):
+      one of PARAMS_NAMES or a key of `param_sets` (arrays in the train state's layout and shardings).
+    scorer: a `training.scoring.Scorer` for `score` (None: built on first use from the sampler's config and mesh).
     settings: the run's RoleSampling (per-role temperature and token budget, top_p); a call's own `settings`
       replace them for that call (held-out evaluation's greedy policy).
     max_batch: sampler slots: up to this many prompts decode at once; a larger batch runs with continuous batching
@@ -62,13 +68,35 @@ class ModelRoleSampler:
     """
 
     def __init__(self, sampler, tokenizer, get_params: Callable[[str], object], settings: RoleSampling,
-                 max_batch: int = 64, seed: int = 0):
+                 max_batch: int = 64, seed: int = 0, scorer=None):
         self.sampler, self.tokenizer, self.get_params = sampler, tokenizer, get_params
         self.settings = settings
         self.max_batch, self.seed = int(max_batch), int(seed)
         self.stop_ids = text.stop_token_ids(tokenizer)
         self.counters = RoleCounters()
+        self.scorer = scorer
+        self.routes: dict[str, str] = {}
+        self.param_sets: dict[str, Any] = {}
         self._phase_seed, self._calls = 0, 0
+
+    @contextlib.contextmanager
+    def routing(self, routes: Mapping[str, str] | None = None, param_sets: Mapping[str, Any] | None = None):
+        """Inside the block, each role in `routes` is served by the parameter set it names, whatever the caller
+        asks for; `param_sets` adds named sets (name -> parameter tree). Restored on exit."""
+        old = self.routes, self.param_sets
+        sets = dict(param_sets or {})
+        clash = [k for k in sets if k in PARAMS_NAMES]
+        if clash:
+            raise ValueError(f"parameter sets {clash}: the names {list(PARAMS_NAMES)} are θ and θ̄ themselves")
+        self.routes, self.param_sets = check_routes(routes, PARAMS_NAMES + tuple(sets)), sets
+        try:
+            yield self
+        finally:
+            self.routes, self.param_sets = old
+
+    def _weights(self, params: str, role: str):
+        name = served_params(params, role, self.routes)
+        return self.param_sets[name] if name in self.param_sets else self.get_params(name)
 
     def start_phase(self, phase_seed: int) -> None:
         """Make the next samples a deterministic function of (seed, phase_seed, call index); reset counters."""
@@ -86,7 +114,7 @@ class ModelRoleSampler:
         prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True) for m in messages_batch]
         settings = self.settings if settings is None else settings
         temp, budget, top_p = settings.temperature(role), settings.budget(role), float(settings.top_p)
-        weights = self.get_params(params)
+        weights = self._weights(params, role)
         seed = int(np.random.SeedSequence([self.seed, self._phase_seed, self._calls]).generate_state(1)[0])
         self._calls += 1
         t0 = time.perf_counter()
@@ -96,3 +124,25 @@ class ModelRoleSampler:
         self.counters.add(role, len(prompts) * n, int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
                           n_slots=res.token_slots)
         return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]
+
+    def score(self, messages_batch: list[list[dict]], continuations: Sequence[str], params: ParamsName,
+              role: str) -> list[float]:
+        """log π(continuation_i | role prompt i) per prompt (Σ over the continuation's tokens, no end-of-turn token
+        appended), under the parameter set that serves `role` (routing applies). The prompt is rendered with the
+        generation prompt and the continuation tokenized on its own, exactly as a training target is."""
+        if params not in PARAMS_NAMES:
+            raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
+        if len(continuations) != len(messages_batch):
+            raise ValueError(f"{len(continuations)} continuations for {len(messages_batch)} prompts")
+        if not messages_batch:
+            return []
+        if self.scorer is None:
+            from nlac_jax.training.scoring import Scorer
+            self.scorer = Scorer(self.sampler.cfg, self.sampler.mesh, self.sampler.rules, max_batch=self.max_batch)
+        prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True) for m in messages_batch]
+        conts = [text.encode_text(self.tokenizer, c) for c in continuations]
+        t0 = time.perf_counter()
+        out = self.scorer.logprobs(self._weights(params, role), prompts, conts,
+                                   pad_id=self.tokenizer.pad_token_id or 0)
+        self.counters.add(f"{role}_score", len(prompts), 0, time.perf_counter() - t0, ())
+        return [float(x) for x in out]

@@ -45,7 +45,8 @@ from typing import Any, Callable, Mapping, Sequence
 import gin
 import jinja2
 
-from nlac_jax.nlac.verdict import format_return, outcome_line, parse_outcome, replace_outcome_line
+from nlac_jax.nlac.verdict import (format_return, leading_outcome_line, outcome_line, parse_outcome,
+                                  replace_outcome_line)
 from nlac_jax.roles import CHAT_ROLES
 
 __all__ = [
@@ -414,6 +415,14 @@ class PromptSet:
         """π_r(s, a, Q_L, earlier refinements): asks for the improved action text only."""
         fields = dict(action=action, critique=critique, previous_refinements=list(previous_refinements))
         return self._fitted("refiner", state, lambda s: self.render("refiner", **fields, **self._common(s)))
+
+    @property
+    def outcome_first(self) -> bool:
+        """Whether this set's summaries start with their Outcome line (read off its terminal summary: the format
+        the successor is trained on), instead of ending with it."""
+        if not hasattr(self, "_outcome_first"):
+            self._outcome_first = leading_outcome_line(self.terminal_summary(1.0, 1.0, True, None)) is not None
+        return self._outcome_first
 
     def terminal_summary(
         self, reward: float, episode_return: float, success: bool, final_observation: str | None = None

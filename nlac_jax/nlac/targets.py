@@ -65,6 +65,8 @@ from nlac_jax.envs.transition import Transition
 from nlac_jax.nlac.prompts import PromptSet, get_prompt_set, render_transcript
 from nlac_jax.nlac.verdict import (
     clean_action,
+    has_outcome_line,
+    leading_outcome_line,
     outcome_line,
     parse_outcome,
     parse_verdict,
@@ -300,10 +302,16 @@ class PolicyExample:
 
 
 def truncate_summary(text: str, max_chars: int) -> str:
-    """Cuts a summary to ``max_chars`` characters, keeping its final Outcome/Return line intact."""
+    """Cuts a summary to ``max_chars`` characters, keeping its Outcome/Return line intact (the final one, or the
+    first in an outcome-first summary)."""
     text = (text or "").strip()
     if max_chars <= 0 or len(text) <= max_chars:
         return text
+    head = leading_outcome_line(text)
+    if head is not None:
+        body = text.split("\n", 1)[1].strip() if "\n" in text else ""
+        room = max(0, max_chars - len(head) - 5)
+        return f"{head}\n{body[:room].rstrip()} ..." if body else head
     body = strip_outcome_lines(text)
     tail = text[len(body) :].strip()
     room = max(0, max_chars - len(tail) - 5)
@@ -486,9 +494,9 @@ def build_critic_examples(
                 stats.critic_dropped_backup += 1
                 continue
             if cfg.enforce_outcome_line and line is not None:
-                if not text.rstrip().endswith(outcome_line(*line)):
+                if not has_outcome_line(text, *line):
                     stats.backup_line_rewritten += 1
-                    text = replace_outcome_line(text, *line)
+                    text = replace_outcome_line(text, *line, first=resolve(transitions[i].task).outcome_first)
             ex.target_text = truncate_summary(text, cfg.max_summary_chars)
             if cfg.keep_reasoning:
                 ex.target_text = with_reasoning(reasoning, ex.target_text)
@@ -536,6 +544,7 @@ def build_policy_examples(
     stats: TargetStats | None = None,
     actions: Sequence[str] | None = None,
     tasks: Sequence[str | None] | None = None,
+    futures: Sequence[Sequence[str]] | None = None,
 ) -> list[PolicyExample]:
     """Critique-and-refine targets for the policy, in input order (one example per state, dropped ones marked).
 
@@ -545,6 +554,9 @@ def build_policy_examples(
     (none with buffer actions), 'successor' once with n = k and 'evaluator' once (neither with
     ``ablate_critique``), 'refiner' m times; with ``recritique``, rounds 2..m add one 'successor' and one
     'evaluator' call each for the examples whose latest usable refinement has not been critiqued yet.
+    ``futures``: per state, the summaries the evaluator reads instead of M_θ's forecasts (no successor call; the
+    Self-Distillation baseline passes real rollouts' summaries); needs the actions they continue (buffer actions
+    or ``actions``) and excludes ``recritique`` and ``ablate_critique``.
     """
     cfg = cfg or TargetConfig()
     stats = stats if stats is not None else TargetStats()
@@ -554,6 +566,12 @@ def build_policy_examples(
         raise ValueError(f"{len(actions)} actions for {n} states")
     if tasks is not None and len(tasks) != n:
         raise ValueError(f"{len(tasks)} tasks for {n} states")
+    if futures is not None:
+        if len(futures) != n:
+            raise ValueError(f"{len(futures)} future lists for {n} states")
+        if cfg.recritique or cfg.ablate_critique or not (cfg.use_buffer_action or actions is not None):
+            raise ValueError("given futures need the actions they continue (use_buffer_action or `actions`) and "
+                             "exclude recritique and ablate_critique")
     if n == 0:
         return []
 
@@ -578,7 +596,7 @@ def build_policy_examples(
 
     # a: the buffer action, or a fresh a ~ π_θ(·|s)
     act_reasons: list[str | None]
-    if cfg.use_buffer_action:
+    if cfg.use_buffer_action or futures is not None:
         if any(a is None for a in buffer_actions):
             raise ValueError("use_buffer_action needs Transitions or `actions` for every state")
         acts = [str(a) for a in buffer_actions]
@@ -598,8 +616,14 @@ def build_policy_examples(
         futures: list[list[str]] = [[] for _ in range(n)]
         critiques, verdicts = [""] * n, [None] * n
         shown = [cfg.ablated_critique_text] * n
+    elif futures is not None:  # given futures (real rollouts): the evaluator reads them, no successor call
+        futures = [[truncate_summary(strip_think(d), cfg.max_summary_chars) for d in f] for f in futures]
+        crits = _sample(sampler, [ps.evaluator(s, a, f) for ps, s, a, f in zip(sets, msgs, acts, futures)],
+                        "policy", "evaluator", 1, stats)
+        critiques = [strip_think(c.text).strip() for c in crits]
     else:
         futures, critiques = _critique(sampler, cfg, stats, list(zip(sets, msgs, acts)))
+    if not cfg.ablate_critique:
         verdicts = [parse_verdict(c) for c in critiques]
         stats.verdict_optimal += sum(1 for v in verdicts if v is True)
         stats.verdict_suboptimal += sum(1 for v in verdicts if v is False)

@@ -2,7 +2,9 @@
 
 Every NLAC text that the code has to read ends in a fixed line, requested by the prompts:
 
-* successor / backup / terminal summaries: ``Outcome: <success|failure>; Return: <number>``
+* successor / backup / terminal summaries: ``Outcome: <success|failure>; Return: <number>``, as the LAST line
+  (most prompt sets) or as the FIRST line ("outcome-first" sets such as ``toy_forecast``: the outcome is then the
+  first thing the successor writes, so P(success | s, a) is the probability of one short continuation)
 * evaluator critiques:                     ``Verdict: optimal`` or ``Verdict: suboptimal``
 
 The parsers are tolerant to case, spacing, markdown emphasis (``**Verdict:** Optimal.``) and common synonyms,
@@ -21,6 +23,8 @@ __all__ = [
     "outcome_line",
     "replace_outcome_line",
     "strip_outcome_lines",
+    "has_outcome_line",
+    "leading_outcome_line",
     "clean_action",
     "split_think",
     "strip_think",
@@ -92,9 +96,10 @@ def _parse_number(m: re.Match | None) -> float | None:
 
 
 def parse_outcome(text: str | None) -> tuple[bool | None, float | None]:
-    """Parses the final ``Outcome: <success|failure>; Return: <number>`` line.
+    """Parses the ``Outcome: <success|failure>; Return: <number>`` line (last line, or first in outcome-first
+    summaries).
 
-    Uses the LAST line containing ``Outcome:``; each field is None when unreadable (the other may still
+    Uses the LAST line containing ``Outcome:`` (in an outcome-first summary the only one); each field is None when unreadable (the other may still
     parse). Separators between the fields (``;``, ``,``, ``|``, or a line break) are free. If no ``Outcome:``
     line exists, a standalone trailing ``Return: <number>`` line still yields the return.
     """
@@ -136,9 +141,24 @@ def outcome_line(success: bool, ret: float) -> str:
     return f"Outcome: {'success' if success else 'failure'}; Return: {format_return(ret)}"
 
 
+def leading_outcome_line(text: str | None) -> str | None:
+    """The first line of ``text`` when it is an Outcome line (an outcome-first summary), else None."""
+    first = (text or "").strip().split("\n", 1)[0]
+    return first if first and _OUTCOME_LINE_RE.fullmatch(first) else None
+
+
+def has_outcome_line(text: str | None, success: bool, ret: float) -> bool:
+    """True iff ``text``'s first or last line is exactly :func:`outcome_line` (success, ret)."""
+    lines = (text or "").strip().split("\n")
+    want = outcome_line(success, ret)
+    return lines[0].strip() == want or lines[-1].strip() == want
+
+
 def strip_outcome_lines(text: str) -> str:
-    """Removes trailing Outcome/Return lines (and trailing blank lines) from a summary."""
-    lines = text.rstrip().split("\n")
+    """Removes a leading Outcome line and trailing Outcome/Return lines (and blank lines) from a summary."""
+    lines = text.strip().split("\n")
+    if leading_outcome_line(text) is not None:
+        lines = lines[1:]
     while lines and (
         not lines[-1].strip()
         or _OUTCOME_LINE_RE.fullmatch(lines[-1])
@@ -148,11 +168,17 @@ def strip_outcome_lines(text: str) -> str:
     return "\n".join(lines).rstrip()
 
 
-def replace_outcome_line(text: str, success: bool, ret: float) -> str:
-    """``text`` with its trailing Outcome/Return line(s) replaced by :func:`outcome_line` (appended if absent)."""
+def replace_outcome_line(text: str, success: bool, ret: float, first: bool | None = None) -> str:
+    """``text`` with its Outcome/Return line(s) replaced by :func:`outcome_line`, in the same place: first when the
+    text starts with an Outcome line, else last (appended when absent). ``first`` forces the place (the prompt
+    set's format: ``PromptSet.outcome_first``), e.g. for a text that lost its line."""
     body = strip_outcome_lines(text or "")
     line = outcome_line(success, ret)
-    return f"{body}\n{line}" if body else line
+    if first is None:
+        first = leading_outcome_line(text) is not None
+    if not body:
+        return line
+    return f"{line}\n{body}" if first else f"{body}\n{line}"
 
 
 # ---------------------------------------------------------------------------------------------- reasoning

@@ -1,0 +1,347 @@
+"""Warm-start corpus for the learned-critic experiment (gin/experiments/unit_toy_learned_critic.gin).
+
+The experiment asks whether a critic learned by language Bellman backups carries knowledge that the policy can
+only get through it. So the corpus teaches SKILLS and one piece of deliberately wrong KNOWLEDGE, and the RL game
+rewards knowledge that only its real transitions reveal (README, "Does NLAC learn?"):
+
+* the **corpus game** (``corpus_waste_every``, default 2) wastes every even guess: the judge answers "no answer"
+  and the turn is gone (``GuessNumberEnv``'s waste rule). The **RL game** wastes multiples of 3 instead
+  (``GuessNumberEnv.waste_every = 3`` in the experiment's gin file). Nothing in any prompt says which rule holds.
+* **policy** examples clone a waste-blind behaviour policy (jittered bisection, always inside the possible range),
+  and **successor** examples summarise the real futures of the corpus game: the warm-start successor therefore
+  forecasts "no answer" for even guesses, the corpus's knowledge, wrong in the RL game.
+* **backup**, **evaluator** and **refiner** examples come from **skill games**: each episode wastes a fresh random
+  set of numbers (``skill_waste_p``), so whether a reply is "no answer" is independent of the guess. The backup
+  learns to copy the REAL reply into the forecast (not to recall a rule), the evaluator learns to judge from what
+  the FORECAST says (the only cue that predicts its target), and the refiner learns to act on the critique:
+  "Forecast reply: no answer. Guess 15 is wasted: try 16." / "Verdict: suboptimal" -> 16.
+
+So a warm start that keeps its successor (the frozen critic) flags even guesses and moves them to odd
+neighbours, several of which the RL game wastes; only a successor corrected by L1 over real transitions flags the
+multiples of 3, and only its critiques make the refiner's target better than the policy's own guess.
+
+Summary format (outcome FIRST: the critic metrics score P(success | s, a) as the continuation "Outcome: success"
+against "Outcome: failure" right after the successor prompt)::
+
+    Outcome: failure; Return: 0
+    Reply: no answer. Next 17: higher. Then 3 more.
+
+Nothing is invented: every future is played by the real ``GuessNumberEnv``; examples come from TRAIN tasks only.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import gin
+
+from nlac_jax.envs.base import Task, TaskCursor
+from nlac_jax.envs.toy import WASTED_REPLY, GuessNumberEnv, GuessNumberTaskSource, parse_guess
+from nlac_jax.envs.transition import Transition
+from nlac_jax.experiments.corpus import CorpusExample, consistent_interval, play_episode
+from nlac_jax.nlac.prompts import PromptSet, render_transcript
+from nlac_jax.nlac.targets import TargetConfig, truncate_summary
+from nlac_jax.nlac.verdict import outcome_line, parse_outcome
+
+__all__ = [
+    "PROMPT_SET",
+    "DETAIL_GUESSES",
+    "jitter_action",
+    "reply_word",
+    "forecast",
+    "forecast_reply",
+    "critique",
+    "skill_episode",
+    "build_forecast_examples",
+    "forecast_corpus",
+    "reference_success_rates",
+    "waste_probe",
+]
+
+PROMPT_SET = "toy_forecast"
+DETAIL_GUESSES = 1  # "Next <g>: <reply>" items after the first reply; the rest is "Then k more."
+_NON_NUMBERS = ("higher", "I am not sure.", "my guess", "?")
+
+
+# ------------------------------------------------------------------------------------------- behaviour
+
+
+def jitter_action(history: Sequence[dict], n: int, rng: random.Random, jitter: float = 0.25) -> str:
+    """The waste-blind behaviour policy: the midpoint of the consistent interval (ties at random) plus a uniform
+    offset of at most ``jitter`` x the interval's width, clipped into the interval (from the feedback only)."""
+    lo, hi, _, _ = consistent_interval(history, n)
+    if lo > hi:  # cannot happen with truthful feedback; stay total anyway
+        lo, hi = 1, n
+    mid = (lo + hi) // 2 + (rng.randint(0, 1) if (hi - lo) % 2 else 0)
+    w = int((hi - lo) * jitter)
+    return str(min(max(mid + rng.randint(-w, w), lo), hi))
+
+
+def _chooser(n: int, rng: random.Random, jitter: float, prefix: Sequence[str] = ()):
+    def choose(history: list) -> str:
+        turn = sum(1 for m in history if m.get("role") == "assistant")
+        return prefix[turn] if turn < len(prefix) else jitter_action(history, n, rng, jitter)
+    return choose
+
+
+# ------------------------------------------------------------------------------------------- summaries
+
+
+def reply_word(t: Transition) -> str:
+    """The judge's reply to one guess: correct / higher / lower / no answer / error."""
+    if t.info.get("success"):
+        return "correct"
+    if t.info.get("error"):
+        return "error"
+    obs = " ".join(m.get("content", "") for m in t.next_observation).strip().lower()
+    for word in ("higher", "lower", WASTED_REPLY):
+        if obs.startswith(word):
+            return word
+    return "error"
+
+
+def _short(a: str) -> str:
+    g = parse_guess(a)
+    return str(g) if g is not None and a.strip() == str(g) else (" ".join(a.split())[:20] or "(empty)")
+
+
+def _observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[str]:
+    """The environment response after ``t.action`` rendered exactly as ``targets.build_critic_examples`` does."""
+    msgs = t.next_observation if t.next_state is not None else []
+    return render_transcript(msgs, ps.transcript_labels, cfg.max_observation_chars, empty="") if msgs else None
+
+
+def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
+    """The successor target for (s_t, a_t) from the real transitions a_t .. the end of the episode: the prompt set's
+    terminal summary for a terminal step (exactly as ``targets.build_critic_examples`` builds it), else
+    ``Outcome: ...; Return: ...`` then ``Reply: <r>. Next <g>: <r>. Then k more.``"""
+    cfg = cfg or TargetConfig()
+    if not future or not future[-1].done:
+        raise ValueError("forecast needs a finished episode (its last transition terminal)")
+    first = future[0]
+    if first.done:
+        success = bool(first.success) if first.success is not None else first.episode_return > cfg.success_threshold
+        obs = _observation(first, ps, cfg)
+        text = ps.terminal_summary(first.reward, first.episode_return, success,
+                                   obs if cfg.terminal_include_observation else None)
+        return truncate_summary(text, cfg.max_summary_chars)
+    parts = [f"Reply: {reply_word(first)}."]
+    rest = list(future[1:])
+    for t in rest[:DETAIL_GUESSES]:
+        parts.append(f"Next {_short(t.action)}: {reply_word(t)}.")
+    if len(rest) > DETAIL_GUESSES:
+        parts.append(f"Then {len(rest) - DETAIL_GUESSES} more.")
+    ret = sum(float(t.reward) for t in future)
+    return truncate_summary(outcome_line(bool(future[-1].success), ret) + "\n" + " ".join(parts),
+                            cfg.max_summary_chars)
+
+
+def forecast_reply(text: str) -> Optional[str]:
+    """The reply a forecast predicts for the guess itself (its first ``Reply: <word>``), lower-case; None if none."""
+    for line in (text or "").split("\n"):
+        s = line.strip()
+        if s.lower().startswith("reply:"):
+            word = s[len("reply:"):].strip().split(".")[0].strip().lower()
+            return word or None
+    return None
+
+
+# ------------------------------------------------------------------------------------------- critique
+
+
+def critique(state: Sequence[dict], action: str, future_text: str, n: int) -> tuple[str, bool, str]:
+    """The scripted evaluator and refiner: (critique, verdict, refined guess), from the PUBLIC state and the
+    forecast only. A forecast reply "no answer" means the guess is wasted: move it to a neighbour (the guess + 1,
+    or - 1 when + 1 is above the possible range); "error" means it is not a number: try the middle of the range.
+    Any other forecast reply means the guess gets an answer (optimal: the refiner keeps it)."""
+    lo, hi, _, _ = consistent_interval(state, n)
+    word = forecast_reply(future_text) or "unknown"
+    g = parse_guess(action)
+    head = f"Forecast reply: {word}."
+    if g is None or word == "error":
+        shown = " ".join(str(action).split())[:20] or "(empty)"
+        better = str((lo + hi) // 2)
+        return f"{head} Guess {shown} is not a number: try {better}.\nVerdict: suboptimal", False, better
+    if word == WASTED_REPLY:
+        better = g + 1 if g + 1 <= hi else g - 1 if g - 1 >= lo else g
+        return f"{head} Guess {g} is wasted: try {better}.\nVerdict: suboptimal", False, str(better)
+    return f"{head} Guess {g} gets an answer.\nVerdict: optimal", True, str(g)
+
+
+# ------------------------------------------------------------------------------------------- the corpus
+
+
+def _env(n: int, max_turns: Optional[int], waste_every: int = 0, wasted: Sequence[int] = ()) -> GuessNumberEnv:
+    # every argument explicit: gin bindings on GuessNumberEnv (the RL game's rule) must never reach the corpus
+    return GuessNumberEnv(n=n, max_turns=max_turns, waste_every=waste_every, wasted_numbers=tuple(wasted))
+
+
+def _backup_example(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition], summaries: Sequence[str], t: int,
+                    task_id: str, meta: dict) -> CorpusExample:
+    """Exactly build_critic_examples' backup call for step t (non-terminal) -> the real summary d_t."""
+    tr = traj[t]
+    d_next = truncate_summary(summaries[t + 1], cfg.max_summary_chars)
+    succ, ret = parse_outcome(d_next)
+    line = (succ, tr.reward + ret)
+    assert summaries[t].startswith(outcome_line(*line)), (summaries[t], line)
+    prompt = ps.backup(tr.state, tr.action, tr.reward, _observation(tr, ps, cfg) or [], traj[t + 1].action, d_next,
+                       target=line if cfg.enforce_outcome_line else None)
+    return CorpusExample("backup", prompt, summaries[t], task_id, tr.state, tr.action, dict(meta, terminal=False))
+
+
+def _judge_examples(ps: PromptSet, n: int, task: Task, state: list, action: str, future_text: str,
+                    meta: dict) -> list[CorpusExample]:
+    text, verdict, refined = critique(state, action, future_text, n)
+    m = dict(meta, verdict=verdict, refined=refined)
+    return [CorpusExample("evaluator", ps.evaluator(state, action, [future_text]), text, task.id, state, action, m),
+            CorpusExample("refiner", ps.refiner(state, action, text, []), refined, task.id, state, action, m)]
+
+
+def _alternative(state: list, taken: str, n: int, rng: random.Random, jitter: float, p_non_number: float) -> str:
+    if rng.random() < p_non_number:
+        return rng.choice(_NON_NUMBERS)
+    a = taken
+    for _ in range(8):
+        a = jitter_action(state, n, rng, max(jitter, 0.5))
+        if a != taken:
+            break
+    return a
+
+
+def skill_episode(task: Task, n: int, seed: int, ep: int, skill_waste_p: float = 0.35, jitter: float = 0.25,
+                  max_turns: Optional[int] = None) -> tuple[GuessNumberEnv, random.Random, list[Transition]]:
+    """Skill-game episode ``ep`` of corpus seed ``seed``: (its env, with a fresh random waste set; the RNG that
+    continues the episode's stream; the behaviour's Transitions)."""
+    rng = random.Random(f"toy-forecast-skill:{seed}:{ep}")
+    env = _env(n, max_turns, 0, [x for x in range(1, n + 1) if rng.random() < skill_waste_p])
+    return env, rng, play_episode(env, task, _chooser(n, rng, jitter))
+
+
+def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_episodes: int, seed: int,
+                            corpus_waste_every: int = 2, skill_waste_p: float = 0.35, jitter: float = 0.25,
+                            max_turns: Optional[int] = None, p_non_number: float = 0.02,
+                            prompts: Optional[PromptSet] = None,
+                            target_cfg: Optional[TargetConfig] = None) -> list[CorpusExample]:
+    """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
+
+    episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
+      successor examples for the taken action and one alternative (its future played out counterfactually).
+    skill_episodes: skill-game episodes (each wastes its own random set, every number with ``skill_waste_p``): per
+      step backup examples (non-terminal steps) and evaluator + refiner examples for the taken action and one
+      alternative (its future played out counterfactually), judged from the real future's forecast.
+    """
+    ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
+    cfg = target_cfg or TargetConfig()
+    out: list[CorpusExample] = []
+    corpus_env = _env(n, max_turns, corpus_waste_every)
+    for ep, task in enumerate(TaskCursor(list(tasks), "forecast-corpus", seed).take(max(episodes, 0))):
+        rng = random.Random(f"toy-forecast-corpus:{seed}:{ep}")
+        traj = play_episode(corpus_env, task, _chooser(n, rng, jitter))
+        actions = [tr.action for tr in traj]
+        for t, tr in enumerate(traj):
+            meta = dict(episode=ep, step=t, game="corpus", source="behaviour", episode_success=bool(traj[-1].success),
+                        episode_length=len(traj))
+            d_t = forecast(traj[t:], ps, cfg)
+            out.append(CorpusExample("policy", ps.policy(tr.state), tr.action, task.id, tr.state, "", dict(meta)))
+            out.append(CorpusExample("successor", ps.successor(tr.state, tr.action), d_t, task.id, tr.state,
+                                     tr.action, dict(meta, terminal=tr.done)))
+            alt = _alternative(tr.state, tr.action, n, rng, jitter, 0.0)
+            cf = play_episode(corpus_env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
+            assert cf[t].state == tr.state  # deterministic env: same prefix, same state
+            out.append(CorpusExample("successor", ps.successor(tr.state, alt), forecast(cf[t:], ps, cfg), task.id,
+                                     tr.state, alt, dict(meta, source="alternative", terminal=cf[t].done)))
+    for ep, task in enumerate(TaskCursor(list(tasks), "forecast-skill", seed).take(max(skill_episodes, 0))):
+        env, rng, traj = skill_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
+        summaries = [forecast(traj[t:], ps, cfg) for t in range(len(traj))]
+        actions = [tr.action for tr in traj]
+        for t, tr in enumerate(traj):
+            meta = dict(episode=ep, step=t, game="skill", source="behaviour", episode_success=bool(traj[-1].success),
+                        episode_length=len(traj))
+            if not tr.done:
+                out.append(_backup_example(ps, cfg, traj, summaries, t, task.id, meta))
+            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta)
+            alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number)
+            cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
+            cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
+            ameta = dict(meta, source="alternative")
+            if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
+                out.append(_backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
+            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta)
+    return out
+
+
+def _train_tasks(n: int, task_source: Optional[GuessNumberTaskSource]) -> list[Task]:
+    source = task_source if task_source is not None else GuessNumberTaskSource(n)
+    if source.n != n:
+        raise ValueError(f"task_source has n={source.n}, the corpus n={n}")
+    tasks = source.tasks("train")
+    held_out = {t.id for t in source.tasks("test")}
+    assert all(t.split == "train" and t.id not in held_out for t in tasks), "corpus must use train tasks only"
+    return tasks
+
+
+@gin.configurable(module="experiments", denylist=["n", "episodes", "seed", "task_source"])
+def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200, corpus_waste_every: int = 2,
+                    skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
+                    task_source: Optional[GuessNumberTaskSource] = None) -> list[CorpusExample]:
+    """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
+    no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
+    return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
+                                   corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
+                                   jitter=jitter, max_turns=max_turns)
+
+
+def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,
+                            max_turns: Optional[int] = None, episodes_per_task: int = 8) -> dict:
+    """Scripted references in a game that wastes multiples of ``waste_every``: the behaviour policy (waste-blind),
+    the behaviour with the corpus's refinement rule applied by a critic that knows the true rule ("oracle
+    refiner": a wasted guess moves to its neighbour), and the same with the corpus rule (evens) instead."""
+    env = _env(n, max_turns, waste_every)
+    out = {}
+    for name, rule in (("behaviour", None), ("oracle_refiner", waste_every), ("corpus_rule_refiner", 2)):
+        wins = 0
+        for i, task in enumerate(tasks):
+            for j in range(episodes_per_task):
+                rng = random.Random(f"toy-forecast-reference:{seed}:{i}:{j}")
+
+                def act(h, rng=rng, rule=rule):
+                    a = jitter_action(h, n, rng, jitter)
+                    if rule is None or int(a) % rule:
+                        return a
+                    return critique(h, a, f"Reply: {WASTED_REPLY}.", n)[2]
+                wins += bool(play_episode(env, task, act)[-1].success)
+        out[name] = wins / max(1, len(tasks) * episodes_per_task)
+    out["episodes"] = len(tasks) * episodes_per_task
+    return out
+
+
+def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_waste_every: int = 2,
+                samples: int = 4, max_turns: Optional[int] = None, params: str = "policy") -> dict:
+    """What the critic KNOWS about the waste rule: for every first guess g in 1..n (the game's opening state),
+    ``samples`` forecasts of the successor (its own sampling settings), and the fraction whose reply is "no answer".
+
+    Returns probe/wasted_said_rl (mean over the RL game's wasted numbers, multiples of ``waste_every``),
+    probe/wasted_said_corpus (over numbers only the corpus rule wastes), probe/wasted_said_other (over numbers
+    neither rule wastes) and probe/knowledge_accuracy (over all g: the majority forecast agrees with the RL rule).
+    A warm start reads high on _corpus and low on _rl; a critic that learned the RL game reads the opposite.
+    """
+    from nlac_jax.roles import check_samples, group
+    env = _env(n, max_turns)
+    state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
+    guesses = list(range(1, n + 1))
+    out = check_samples(sampler.sample([prompts.successor(state, str(g)) for g in guesses], params, "successor",
+                                       n=samples), n * samples, "successor")
+    said = {g: sum(forecast_reply(c.text) == WASTED_REPLY for c in grp) / samples
+            for g, grp in zip(guesses, group(out, samples))}
+
+    def mean(xs):
+        xs = list(xs)
+        return sum(xs) / len(xs) if xs else float("nan")
+    rl = [g for g in guesses if g % waste_every == 0]
+    corpus = [g for g in guesses if g % corpus_waste_every == 0 and g % waste_every]
+    other = [g for g in guesses if g % corpus_waste_every and g % waste_every]
+    return {"probe/wasted_said_rl": mean(said[g] for g in rl),
+            "probe/wasted_said_corpus": mean(said[g] for g in corpus),
+            "probe/wasted_said_other": mean(said[g] for g in other),
+            "probe/knowledge_accuracy": mean((said[g] > 0.5) == (g % waste_every == 0) for g in guesses)}

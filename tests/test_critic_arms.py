@@ -1,0 +1,436 @@
+"""The critic arms and the critic metrics: parameter routing (the truly frozen critic), the Monte-Carlo critic's
+targets, the scoring path (log-probs of given continuations, checked against the sampler's own log-probs), and
+P(success) / AUC / Brier (checked against a brute-force pair count and by hand)."""
+
+import itertools
+import math
+import types
+
+import numpy as np
+import pytest
+
+from nlac_jax.envs.base import Episode, Task, Transition
+from nlac_jax.envs.toy import GuessNumberEnv
+from nlac_jax.experiments import arms, corpus
+from nlac_jax.nlac import algorithm, critic_scores, evaluation
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.rl import ReplayBuffer
+from nlac_jax.roles import ScriptedRoleSampler, served_params
+
+PS = PromptSet(task="toy")
+
+
+# ------------------------------------------------------------------------------------------ routing
+
+
+def test_routes_serve_a_role_from_the_named_set_inside_the_block_only():
+    s = ScriptedRoleSampler(default="x")
+    assert served_params("target", "successor", {"successor": "frozen"}) == "frozen"
+    assert served_params("target", "backup", {"successor": "frozen"}) == "target"
+    with s.routing({"successor": "frozen", "evaluator": "frozen"}, {"frozen": object()}):
+        s.sample([[{"role": "user", "content": "q"}]], "target", "successor")
+        s.sample([[{"role": "user", "content": "q"}]], "policy", "evaluator")
+        s.sample([[{"role": "user", "content": "q"}]], "policy", "refiner")
+    s.sample([[{"role": "user", "content": "q"}]], "target", "successor")
+    assert [(c.role, c.params, c.served) for c in s.calls] == [
+        ("successor", "target", "frozen"), ("evaluator", "policy", "frozen"), ("refiner", "policy", "policy"),
+        ("successor", "target", "target")]
+    with pytest.raises(ValueError, match="'succesor'"):
+        with s.routing({"succesor": "frozen"}, {"frozen": 1}):
+            pass
+    with pytest.raises(ValueError, match="'frozen', which is no parameter set"):
+        with s.routing({"successor": "frozen"}):
+            pass
+
+
+class _FakeGen:
+    """Stands in for sampling.Sampler: records which weights each call got."""
+
+    def __init__(self):
+        self.weights = []
+
+    def generate(self, weights, prompts, n=1, **kw):
+        self.weights.append(weights)
+        k = len(prompts) * n
+        return types.SimpleNamespace(texts=["ok"] * k, stop_reason=["stop_token"] * k, lengths=np.ones(k, int),
+                                     token_slots=k)
+
+
+class _FakeScorer:
+    def __init__(self):
+        self.weights = []
+
+    def logprobs(self, weights, prompts, conts, pad_id=0):
+        self.weights.append(weights)
+        return np.full(len(prompts), -1.0)
+
+
+def test_model_role_sampler_serves_routed_roles_from_the_extra_set():
+    from nlac_jax import tiny
+    from nlac_jax.nlac.model_roles import ModelRoleSampler
+    from nlac_jax.roles import RoleSampling
+    gen, scorer = _FakeGen(), _FakeScorer()
+    roles = ModelRoleSampler(gen, tiny.make_tiny_tokenizer(), get_params=lambda w: f"W-{w}",
+                             settings=RoleSampling(max_new_tokens={"policy": 8}), scorer=scorer)
+    chat = [[{"role": "user", "content": "q"}]]
+    with roles.routing({"successor": "frozen", "evaluator": "frozen"}, {"frozen": "W-frozen"}):
+        roles.sample(chat, "target", "successor")
+        roles.sample(chat, "policy", "successor")
+        roles.sample(chat, "policy", "evaluator")
+        roles.sample(chat, "policy", "policy")
+        roles.sample(chat, "target", "backup")
+        roles.score(chat, ["Outcome: success"], "policy", "successor")
+    roles.sample(chat, "policy", "successor")
+    roles.score(chat, ["Outcome: success"], "policy", "successor")
+    assert gen.weights == ["W-frozen", "W-frozen", "W-frozen", "W-policy", "W-target", "W-policy"]
+    assert scorer.weights == ["W-frozen", "W-policy"]
+    with pytest.raises(ValueError, match="θ and θ̄"):
+        with roles.routing({}, {"target": "x"}):
+            pass
+
+
+def test_the_loop_routes_a_whole_iteration_and_restores_afterwards():
+    from nlac_jax import loop
+    seen = []
+    stub = types.SimpleNamespace(roles=ScriptedRoleSampler(default="x"), learner=None)
+    stub._iteration = lambda it, bars, learner: seen.append(dict(stub.roles.routes)) or ({}, "")
+    learner = algorithm.NLAC(frozen_roles=("successor",), frozen_params={"w": 1})
+    loop.NLACRun.iteration(stub, 0, None, learner)
+    loop.NLACRun.iteration(stub, 1, None, algorithm.NLAC())
+    assert seen == [{"successor": "frozen"}, {}] and stub.roles.routes == {}
+    with pytest.raises(ValueError, match="freeze"):
+        algorithm.NLAC(frozen_roles=("successor",), name="x").routing()
+
+
+def test_frozen_params_own_their_buffers_after_the_train_step_donates_theta():
+    import jax
+    import jax.numpy as jnp
+    theta = {"w": jnp.arange(4.0), "b": jnp.ones(3)}
+    frozen = algorithm.freeze_params(theta)
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+    new = step(theta)
+    assert theta["w"].is_deleted()  # the donation happened: a frozen set aliasing θ would be gone too
+    np.testing.assert_array_equal(np.asarray(frozen["w"]), [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(new["w"]), [1, 2, 3, 4])
+    assert frozen["w"].sharding == new["w"].sharding
+
+
+# ------------------------------------------------------------------------------------------ arms
+
+
+def _toy_episode(target, guesses, n=8):
+    env = GuessNumberEnv(n=n)
+    task = Task(id=f"guess-{n}-{target}", split="train", payload={"target": target, "n": n})
+    it = iter(guesses)
+    trs = corpus.play_episode(env, task, lambda h: str(next(it)))
+    last = trs[-1]
+    ep = Episode(task=task, messages=last.next_state, transitions=trs,
+                 total_return=sum(t.reward for t in trs), success=bool(last.info.get("success")),
+                 length=len(trs), num_errors=0, truncated=not last.done)
+    return ep, trs
+
+
+def _fake_run(roles, params=None, critic=4, policy=4):
+    from nlac_jax.nlac.targets import TargetConfig
+    lc = types.SimpleNamespace(critic_examples=critic, policy_examples=policy, dump_examples=1, buffer_capacity=100,
+                               episodes_per_iteration=2)
+    return types.SimpleNamespace(loop=lc, prompts=PS, roles=roles, target_cfg=TargetConfig(),
+                                 buffer=ReplayBuffer(100), env_name="toy",
+                                 holder=types.SimpleNamespace(state=types.SimpleNamespace(params=params)))
+
+
+def _nlac_roles():
+    return ScriptedRoleSampler({
+        "policy": "4", "successor": "Outcome: success; Return: 1\nReply: correct.",
+        "backup": "Outcome: success; Return: 1\nReply: higher. Next guess 6: correct.",
+        "evaluator": "It wins.\nVerdict: optimal", "refiner": "5"})
+
+
+def test_frozen_critic_arm_serves_successor_and_evaluator_from_the_warm_start_and_trains_no_critic():
+    import jax.numpy as jnp
+    roles = _nlac_roles()
+    run = _fake_run(roles, params={"w": jnp.zeros(2)})
+    learner = arms.make_learner("nlac_frozen_critic", run)
+    assert learner.critic_examples == 0 and set(learner.frozen_roles) == {"successor", "evaluator"}
+    _, trs = _toy_episode(6, [4, 6])
+    with roles.routing(*learner.routing()):
+        ex, _ = learner.examples(run, 0, [], trs, np.random.default_rng(0), {})
+    assert ex and all(e.kind == 1 for e in ex)  # policy examples only: no L1
+    served = {(c.role, c.served) for c in roles.calls}
+    assert served == {("policy", "policy"), ("successor", "frozen"), ("evaluator", "frozen"),
+                      ("refiner", "policy")}, served  # no backup, θ̄ serves nothing
+    # the no-L1 arm (the old "frozen critic"): no L1 examples, but θ serves the critic
+    roles.reset()
+    no_l1 = arms.make_learner("nlac_no_l1", run)
+    with roles.routing(*no_l1.routing()):
+        no_l1.examples(run, 0, [], trs, np.random.default_rng(0), {})
+    assert {c.served for c in roles.calls_for("successor")} == {"policy"}
+
+
+def test_mc_critic_trains_the_successor_on_the_real_futures():
+    roles = _nlac_roles()
+    run = _fake_run(roles, critic=10, policy=0)
+    won, won_trs = _toy_episode(6, [4, 7, 6])        # lower... higher, correct: 3 steps
+    lost, _ = _toy_episode(6, [1, 2, 3, 4, 5, 7, 8])    # out of turns: a terminal failure
+    learner = arms.make_learner("nlac_mc_critic", run)
+    m = {}
+    ex, _ = learner.examples(run, 0, [won, lost], won_trs, np.random.default_rng(0), m)
+    assert roles.calls == []  # no model call: the targets are the real futures
+    want = {(tuple(map(str, (t.state[-1]["content"], t.action))), corpus.future_summary(won_trs[i:], PS))
+            for i, t in enumerate(won_trs)}
+    got = {(tuple(map(str, (e.state[-1]["content"], e.action))), e.target_text) for e in ex if e.task is not None
+           and e.state in [t.state for t in won_trs]}
+    assert want <= got
+    assert all(e.kind == 0 and e.prompt_messages == PS.successor(e.state, e.action) for e in ex)
+    assert lost.transitions[-1].done and not lost.success
+    assert m["mc/futures"] == len(ex) == 3 + len(lost.transitions) and m["mc/unfinished_episodes"] == 0
+    # a truncated episode (no terminal step) gives no Monte-Carlo target
+    trunc = Episode(task=won.task, messages=[], transitions=won_trs[:2], total_return=0.0, success=False,
+                    length=2, num_errors=0, truncated=True)
+    m2 = {}
+    learner.examples(run, 1, [trunc], [], np.random.default_rng(1), m2)
+    assert m2["mc/unfinished_episodes"] == 1 and m2["mc/futures_added"] == 0
+
+
+def test_every_arm_is_registered_and_built():
+    run = _fake_run(_nlac_roles(), params={"w": np.zeros(1)})
+    run.loop.critic_examples, run.loop.policy_examples = 3, 5
+    for arm in arms.ARMS:
+        learner = arms.make_learner(arm, run)
+        assert (learner is None) == (arm == "warm_start")
+        if learner is not None:
+            assert learner.name == arm
+
+
+# ------------------------------------------------------------------------------------------ critic scores
+
+
+def _brute_auc(scores, labels):
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    wins = sum(1.0 if p > q else 0.5 if p == q else 0.0 for p, q in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+def test_auc_equals_the_brute_force_pair_count_ties_included():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(2, 30))
+        s = rng.integers(0, 5, n) / 4.0  # many ties
+        y = rng.random(n) < 0.4
+        if y.all() or not y.any():
+            continue
+        assert critic_scores.auc(s, y) == pytest.approx(_brute_auc(s, y))
+    assert critic_scores.auc([0.9, 0.1, 0.5], [True, False, True]) == 1.0
+    assert critic_scores.auc([0.2, 0.8], [True, False]) == 0.0
+    assert math.isnan(critic_scores.auc([0.2, 0.8], [True, True]))
+
+
+def test_brier_by_hand():
+    # (0.9-1)² + (0.2-0)² + (0.6-0)² + (0.5-1)² = 0.01 + 0.04 + 0.36 + 0.25 = 0.66; / 4 = 0.165
+    assert critic_scores.brier([0.9, 0.2, 0.6, 0.5], [1, 0, 0, 1]) == pytest.approx(0.165)
+    assert math.isnan(critic_scores.brier([], []))
+
+
+def _ep(task_id, actions, success):
+    state = [{"role": "user", "content": f"Guess for {task_id}."}]
+    trs = []
+    for i, a in enumerate(actions):
+        last = i == len(actions) - 1
+        trs.append(Transition(state=list(state), action=a, reward=float(success and last),
+                              next_state=state + [{"role": "assistant", "content": a}], done=last))
+        state = state + [{"role": "assistant", "content": a}, {"role": "user", "content": "higher"}]
+    return Episode(task=Task(task_id, "test"), messages=state, transitions=trs, total_return=float(success),
+                   success=success, length=len(actions), num_errors=0)
+
+
+def _scores_by_action(p_of):
+    """Scripted log-probs: P(success) = p_of[action] (read off the successor prompt), under any parameter set."""
+    def fn(messages, continuation, served):
+        body = "\n".join(m["content"] for m in messages)  # the judged action comes after the transcript
+        action = max(p_of, key=lambda a: body.rfind(a))
+        p = p_of[action] if served != "frozen" else 0.5
+        return math.log(p if continuation == critic_scores.SUCCESS_CONTINUATION else 1.0 - p)
+    return fn
+
+
+def test_success_probabilities_normalise_the_two_outcome_continuations():
+    s = ScriptedRoleSampler(scores=lambda m, c, served: math.log(0.3 if c == "Outcome: success" else 0.1))
+    p = critic_scores.success_probabilities(s, PS, [([{"role": "user", "content": "x"}], "4")] * 2)
+    np.testing.assert_allclose(p, [0.75, 0.75])  # 0.3 / (0.3 + 0.1)
+    (call,) = s.score_calls
+    assert call.role == "successor" and [m[-1] for m in call.messages_batch] == [PS.successor(
+        [{"role": "user", "content": "x"}], "4")[-1]] * 4
+
+
+def test_critic_score_metrics_by_hand_and_under_the_frozen_routing():
+    eps = [_ep("a", ["zz11", "zz22"], True), _ep("b", ["zz33"], False), _ep("c", ["zz44", "zz55"], False)]
+    p_of = {"zz11": 0.9, "zz22": 0.6, "zz33": 0.7, "zz44": 0.2, "zz55": 0.6}
+    s = ScriptedRoleSampler(scores=_scores_by_action(p_of))
+    m = evaluation.critic_score_metrics(eps, s, PS)
+    # positives (episode a): 0.9, 0.6; negatives: 0.7, 0.2, 0.6 -> pairs won: 0.9 beats 3; 0.6 beats 0.2, ties 0.6
+    assert m["critic_n"] == 5
+    assert m["critic_auc"] == pytest.approx((3 + 1 + 0.5) / 6)
+    brier = ((0.9 - 1) ** 2 + (0.6 - 1) ** 2 + 0.7 ** 2 + 0.2 ** 2 + 0.6 ** 2) / 5
+    assert m["critic_brier"] == pytest.approx(brier)
+    assert m["critic_base_rate"] == pytest.approx(0.4) and m["critic_brier_base"] == pytest.approx(0.24)
+    # the frozen critic's evaluation reads the frozen set: every p = 0.5 here
+    with s.routing({"successor": "frozen"}, {"frozen": None}):
+        mf = evaluation.critic_score_metrics(eps, s, PS)
+    assert mf["critic_auc"] == 0.5 and mf["critic_brier"] == pytest.approx(0.25)
+    assert {c.served for c in s.score_calls} == {"policy", "frozen"}
+    # a sampler without scores reports nothing, it does not crash
+    none = evaluation.critic_score_metrics(eps, ScriptedRoleSampler(), PS)
+    assert none["critic_n"] == 0 and math.isnan(none["critic_auc"])
+
+
+# ------------------------------------------------------------------------------------------ scoring path
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A random tiny model and what the sampler generated from three prompts (generated once for both tests)."""
+    import jax
+    from nlac_jax import models, sampling, text
+    from nlac_jax.models.building import build_model
+    cfg, tok, _ = build_model()
+    params = models.random_model(cfg, seed=0).params
+    prompts = [text.encode_text(tok, t) for t in ("Guess a number.", "Is it an animal? Yes.", "The answer is")]
+    out = sampling.Sampler(cfg).generate(jax.device_get(params), prompts, max_new_tokens=7, temperature=1.0,
+                                         seed=3, stop_token_ids=())
+    return cfg, params, prompts, out
+
+
+@pytest.mark.parametrize("mesh_devices", [0, 8])
+def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model, mesh_devices):
+    """An independent path: the sampler's KV-cache decode reports log π of every token it picks (temperature 1,
+    unmodified distribution); scoring those tokens after their prompts through the train step's forward must give
+    the same sums (batched, padded, bucketed, on one device or a mesh of 8)."""
+    import jax
+    from nlac_jax import models, sharding
+    from nlac_jax.training.scoring import Scorer
+    cfg, params, prompts, out = tiny_model
+    mesh = sharding.make_mesh() if mesh_devices else None
+    if mesh is not None:
+        params = jax.device_put(params, models.param_shardings(cfg, mesh))
+    conts = out.token_lists()
+    want = [float(out.logprobs[b, :out.lengths[b]].sum()) for b in range(len(prompts))]
+    got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="row 1: empty continuation"):
+        Scorer(cfg).logprobs(params, prompts[:2], [[1], []])
+
+
+# ------------------------------------------------------------------------------------------ NLQL, Self-Distillation
+
+
+def test_nlql_distils_the_candidate_with_the_highest_scored_value():
+    p_of = {"3": 0.2, "5": 0.9, "7": 0.5}
+
+    def scores(messages, continuation, served):
+        body = "\n".join(m["content"] for m in messages)
+        a = max(p_of, key=lambda x: body.rfind(f"\n{x}") if f"\n{x}" in body else body.rfind(x))
+        p = p_of[a]
+        return math.log(p if continuation == critic_scores.SUCCESS_CONTINUATION else 1 - p)
+
+    cands = ["3", "5", "3", "7"]
+    roles = ScriptedRoleSampler({"policy": lambda m, j: cands[j]}, scores=scores)
+    run = _fake_run(roles, critic=0, policy=2)
+    _, trs = _toy_episode(6, [4, 6])
+    m = {}
+    learner = arms.make_learner("nlql", run)
+    ex, _ = learner.examples(run, 0, [], trs, np.random.default_rng(0), m)
+    assert [e.target_text for e in ex] == ["5", "5"] and all(e.kind == 1 for e in ex)
+    assert set(roles.call_counts()) == {"policy"}  # no successor, evaluator or refiner generation
+    (call,) = roles.score_calls
+    assert call.role == "successor" and call.served == "policy" and len(call.messages_batch) == 2 * 2 * 3
+    assert m["nlql/distinct_candidates"] == 3 and m["nlql/frac_best_not_first"] == 1.0
+    assert m["nlql/best_p_success"] == pytest.approx(0.9)
+
+
+def test_self_distillation_refines_from_real_rollouts_of_the_policy():
+    roles = ScriptedRoleSampler({"policy": "6", "evaluator": "Good.\nVerdict: suboptimal", "refiner": "5"})
+    run = _fake_run(roles, critic=0, policy=0)
+    run.loop.episodes_per_iteration, run.loop.max_turns = 16, None
+    run.envs = [GuessNumberEnv(n=8) for _ in range(3)]
+    ep, trs = _toy_episode(6, [4, 7, 6])
+    learner = arms.SelfDistillation(states=3, future_summary=corpus.future_summary)
+    cursor_calls = []
+    run.cursor = types.SimpleNamespace(take=lambda n: cursor_calls.append(n) or [])
+    learner.take_tasks(run, 16)
+    assert cursor_calls == [16 - 3 * 4]  # the rollouts count against the episode budget
+    m = {}
+    ex, _ = learner.examples(run, 0, [ep], trs, np.random.default_rng(0), m)
+    assert m["sd/states"] == 3 and m["sd/rollout_episodes"] == 8 and m["sd/replay_mismatches"] == 0
+    assert m["sd/rollout_success_rate"] == 1.0
+    assert "successor" not in roles.call_counts() and "backup" not in roles.call_counts()
+    # what the evaluator read: the real futures of the rollouts, in the successor's format
+    _, via6 = _toy_episode(6, [4, 6])
+    _, via76 = _toy_episode(6, [4, 7, 6])
+    want = {trs[0].action: [corpus.future_summary(via6, PS)] * 4,
+            trs[1].action: [corpus.future_summary(via76[1:], PS)] * 4,
+            trs[2].action: [corpus.future_summary(trs[2:], PS)]}
+    got = {e.action: e.futures for e in ex}
+    assert got == want
+    assert [e.target_text for e in ex] == ["5", "5", "5"] and all(e.kind == 1 for e in ex)
+    (ev,) = roles.calls_for("evaluator")
+    assert all(f in ev.user_texts()[0] for f in want[trs[0].action][:1])
+
+
+def test_replay_env_flags_a_history_the_env_does_not_reproduce():
+    from nlac_jax.experiments.arms import _ReplayEnv
+    ep, trs = _toy_episode(6, [4, 7, 6])
+    env = _ReplayEnv(GuessNumberEnv(n=8), None)
+    good = Task("r0", "train", {"replay": (ep.task, ["4"], trs[0].next_state)})
+    assert env.reset(good) == trs[0].next_state and env.max_turns == GuessNumberEnv(n=8).max_turns - 1
+    forged = trs[0].next_state[:-1] + [{"role": "user", "content": "lower"}]
+    env.reset(Task("r1", "train", {"replay": (ep.task, ["4"], forged)}))
+    assert env.mismatched == {"r1"}
+
+
+def test_nlql_falls_back_to_sampled_outcomes_when_summaries_end_with_their_outcome_line():
+    forecasts = {"3": "Reply: lower.\nOutcome: failure; Return: 0", "5": "Reply: correct.\nOutcome: success; Return: 1"}
+
+    def successor(messages, j):
+        body = "\n".join(m["content"] for m in messages)
+        return forecasts[max(forecasts, key=body.rfind)]
+
+    roles = ScriptedRoleSampler({"policy": lambda m, j: ["3", "5"][j % 2], "successor": successor})
+    run = _fake_run(roles, critic=0, policy=1)
+    run.prompts = types.SimpleNamespace(outcome_first=False, policy=PS.policy, successor=PS.successor)
+    _, trs = _toy_episode(6, [4, 6])
+    m = {}
+    ex, _ = arms.NLQL().examples(run, 0, [], trs, np.random.default_rng(0), m)
+    assert [e.target_text for e in ex] == ["5"] and m["nlql/scored_values"] == 0 and roles.score_calls == []
+
+
+def test_the_table_reports_the_last_measured_value_even_when_it_is_undefined():
+    from nlac_jax.experiments import unit_scale
+    rows = [{"iteration": 0, "eval/critic_auc": 0.6}, {"iteration": 1}, {"iteration": 2, "eval/critic_auc": math.nan},
+            {"iteration": 3}]
+    assert math.isnan(unit_scale._final(rows, "eval/critic_auc"))  # not iteration 0's 0.6
+    assert unit_scale._final(rows[:2], "eval/critic_auc") == 0.6
+
+
+def test_evaluate_reports_the_critic_scores_of_the_held_out_episodes():
+    from nlac_jax.envs.toy import GuessNumberTaskSource
+    env_tasks = [t for t in GuessNumberTaskSource(n=8, test_every=2).tasks("test")][:2]  # targets 2 and 4
+    # the policy always guesses 4: it wins on target 4 and loses on target 2; the critic says P(success) = 0.8
+    roles = ScriptedRoleSampler({"policy": "4"}, scores=lambda m, c, served: math.log(
+        0.8 if c == critic_scores.SUCCESS_CONTINUATION else 0.2))
+    m, eps = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0)
+    y = [e.success for e in eps for _ in e.transitions]
+    assert True in y and False in y
+    assert m["eval/critic_n"] == len(y) and m["eval/critic_auc"] == 0.5  # a constant forecast ranks nothing
+    assert m["eval/critic_brier"] == pytest.approx(np.mean([(0.8 - v) ** 2 for v in y]))
+    assert m["eval/critic_base_rate"] == pytest.approx(np.mean(y))
+    none, _ = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0,
+                                  score_transitions=0)
+    assert "eval/critic_auc" not in none
+
+
+def test_the_real_future_renderer_follows_the_prompt_set():
+    assert arms.future_renderer(PromptSet(task="toy")) is corpus.future_summary
+    assert arms.future_renderer(PromptSet(task="toy", prompt_set="toy_compact")) is corpus.future_summary
+    with pytest.raises(ValueError, match="prompt set 'math'"):
+        arms.future_renderer(PromptSet(task="math"))

@@ -1,0 +1,139 @@
+"""The learned-critic corpus (experiments/corpus_forecast.py): train tasks only, deterministic, the corpus game's
+knowledge in the successor targets, skills whose cues are independent of the guess, exact agreement with NLAC's
+own target builder, and the knowledge probe on a scripted critic (hand-computed values)."""
+
+import json
+
+import pytest
+
+from nlac_jax.envs.base import TaskCursor
+from nlac_jax.envs.toy import GuessNumberTaskSource, parse_guess
+from nlac_jax.experiments import corpus_forecast as F
+from nlac_jax.experiments.corpus import consistent_interval
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.nlac.verdict import leading_outcome_line, parse_outcome, parse_verdict
+
+N = 32
+
+
+@pytest.fixture(scope="module")
+def source():
+    return GuessNumberTaskSource(N, test_every=2)
+
+
+@pytest.fixture(scope="module")
+def examples(source):
+    return F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source)
+
+
+def _key(x):
+    return json.dumps([[e.role, e.prompt_messages, e.target_text, e.task_id] for e in x])
+
+
+def test_train_tasks_only_deterministic_and_every_role(examples, source):
+    held_out = {t.id for t in source.tasks("test")}
+    assert examples and not {e.task_id for e in examples} & held_out
+    assert _key(examples) == _key(F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source))
+    assert _key(examples) != _key(F.forecast_corpus(N, 16, 4, skill_episodes=16, task_source=source))
+    assert {e.role for e in examples} == {"policy", "successor", "backup", "evaluator", "refiner"}
+    # no calculator, no hidden number: nothing in any prompt the policy's own state line does not say
+    for e in examples:
+        text = "\n".join(m["content"] for m in e.prompt_messages)
+        assert "Good guesses" not in text and "the number was" not in text.lower()
+
+
+def test_successor_targets_carry_the_corpus_rule(examples):
+    """Corpus-game forecasts: outcome first; the first reply is "no answer" exactly for the even guesses that are
+    not the hidden number (the corpus's knowledge)."""
+    succ = [e for e in examples if e.role == "successor"]
+    assert {e.meta["game"] for e in succ} == {"corpus"}
+    seen = {True: 0, False: 0}
+    for e in succ:
+        assert leading_outcome_line(e.target_text) is not None, e.target_text
+        g = parse_guess(e.action)
+        reply = F.forecast_reply(e.target_text)
+        if reply != "correct":
+            assert (reply == "no answer") == (g % 2 == 0), (e.action, e.target_text)
+            seen[g % 2 == 0] += 1
+    assert seen[True] > 10 and seen[False] > 10
+
+
+def test_judge_cues_are_independent_of_the_guess(examples):
+    """Skill games: whether a forecast says "no answer" must not be predictable from the guess's parity (else the
+    evaluator could learn a rule instead of reading the forecast); the verdict follows the forecast; the critique's
+    better guess is the neighbour inside the possible range, and the refiner outputs it."""
+    evals = [e for e in examples if e.role == "evaluator"]
+    assert {e.meta["game"] for e in evals} == {"skill"}
+    rate = {}
+    for parity in (0, 1):
+        ex = [e for e in evals if parse_guess(e.action) is not None and parse_guess(e.action) % 2 == parity]
+        rate[parity] = sum(not e.meta["verdict"] for e in ex) / len(ex)
+    assert 0.15 < rate[0] < 0.6 and abs(rate[0] - rate[1]) < 0.2, rate
+    pairs = [(e, r) for e, r in zip(examples, examples[1:]) if e.role == "evaluator"]
+    assert all(r.role == "refiner" and r.prompt_messages[-1]["content"].endswith(e.target_text) for e, r in pairs)
+    for e, r in pairs:
+        future = e.prompt_messages[-1]["content"].split("Forecast: ", 1)[1]
+        wasted = F.forecast_reply(future) == "no answer"
+        assert parse_verdict(e.target_text) is (not wasted if parse_guess(e.action) is not None else False)
+        better = r.target_text
+        g = parse_guess(e.action)
+        if wasted and g is not None:
+            lo, hi, _, _ = consistent_interval(e.state, N)
+            assert f"try {better}." in e.target_text and abs(int(better) - g) <= 1 and lo <= int(better) <= hi
+        elif g is not None:
+            assert better == e.action
+
+
+def test_agrees_with_nlac_target_builder(source):
+    """The corpus's backup examples are exactly what build_critic_examples produces when the roles answer like the
+    corpus: same prompts (the scripted sampler looks them up) and the same targets, terminal ones included."""
+    from nlac_jax.nlac.targets import build_critic_examples
+    from nlac_jax.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+    tasks = source.tasks("train")
+    ex = F.build_forecast_examples(tasks, N, 0, 1, seed=5)
+    (task,) = TaskCursor(list(tasks), "forecast-skill", 5).take(1)
+    _, _, traj = F.skill_episode(task, N, 5, 0)
+    d = [F.forecast(traj[t:], ps) for t in range(len(traj))]
+    table = {"policy": {json.dumps(ps.policy(t.state)): t.action for t in traj},
+             "successor": {json.dumps(ps.successor(t.state, t.action)): d[i] for i, t in enumerate(traj)},
+             "backup": {json.dumps(e.prompt_messages): e.target_text for e in ex
+                        if e.role == "backup" and e.meta["source"] == "behaviour"}}
+    assert len(table["backup"]) == len(traj) - 1
+    sampler = ScriptedRoleSampler({r: (lambda m, j, r=r: table[r][json.dumps(m)]) for r in table})
+    built = build_critic_examples(traj, sampler, prompts=ps)
+    assert [b.target_text for b in built] == d
+    assert all(leading_outcome_line(b.target_text) and parse_outcome(b.target_text)[1] is not None for b in built)
+
+
+def test_critique_by_hand():
+    state = [{"role": "system", "content": "You have 6 guesses."}, {"role": "user", "content": "1 and 32."},
+             {"role": "assistant", "content": "16"}, {"role": "user", "content": "lower"}]
+    assert F.critique(state, "9", "Outcome: failure; Return: 0\nReply: no answer. Then 2 more.", N) == (
+        "Forecast reply: no answer. Guess 9 is wasted: try 10.\nVerdict: suboptimal", False, "10")
+    assert F.critique(state, "15", "Outcome: failure; Return: 0\nReply: no answer.", N)[2] == "14"  # top of 1..15
+    assert F.critique(state, "9", "Outcome: success; Return: 1\nReply: higher.", N) == (
+        "Forecast reply: higher. Guess 9 gets an answer.\nVerdict: optimal", True, "9")
+    assert F.critique(state, "hmm", "Outcome: failure; Return: 0\nReply: error.", N)[1:] == (False, "8")
+
+
+def test_waste_probe_by_hand():
+    """A scripted critic that forecasts the corpus rule (evens wasted), probed for the RL rule (multiples of 3) on
+    1..12: RL-wasted 3, 6, 9, 12 -> said for 6 and 12: 0.5; corpus-only 2, 4, 8, 10 -> 1.0; neither 1, 5, 7, 11 ->
+    0.0; the majority forecast agrees with the RL rule for 1, 5, 6, 7, 11, 12: 6 / 12."""
+    from nlac_jax.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+
+    def successor(messages, j):
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 == 0 else "Reply: higher.")
+    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}), ps, 12, waste_every=3, samples=2)
+    assert got == {"probe/wasted_said_rl": 0.5, "probe/wasted_said_corpus": 1.0, "probe/wasted_said_other": 0.0,
+                   "probe/knowledge_accuracy": 0.5}
+
+
+def test_scripted_references_show_what_the_knowledge_is_worth(source):
+    """In the RL game (multiples of 3 wasted): moving the guesses the TRUE rule wastes helps, moving the guesses the
+    corpus rule wastes hurts: the knowledge, not the skill, decides."""
+    ref = F.reference_success_rates(N, source.tasks("test"), waste_every=3, episodes_per_task=4)
+    assert ref["oracle_refiner"] > ref["behaviour"] + 0.2 > ref["corpus_rule_refiner"] + 0.2, ref
