@@ -373,6 +373,7 @@ def test_self_distillation_refines_from_real_rollouts_of_the_policy():
     got = {e.action: e.futures for e in ex}
     assert got == want
     assert [e.target_text for e in ex] == ["5", "5", "5"] and all(e.kind == 1 for e in ex)
+    assert all(e.futures_from == "real rollouts" for e in ex)
     (ev,) = roles.calls_for("evaluator")
     assert all(f in ev.user_texts()[0] for f in want[trs[0].action][:1])
 
