@@ -315,7 +315,7 @@ def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model,
         params = jax.device_put(params, models.param_shardings(cfg, mesh))
     conts = out.token_lists()
     want = [float(out.logprobs[b, :out.lengths[b]].sum()) for b in range(len(prompts))]
-    got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks
+    got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks without a mesh, 1 with
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="row 1: empty continuation"):
         Scorer(cfg).logprobs(params, prompts[:2], [[1], []])
