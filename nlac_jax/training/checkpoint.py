@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nlac_jax import fs
 from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
@@ -72,6 +73,52 @@ class CheckpointRestoreError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written for another model / task than this run (one line saying what differs)."""
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint did not fit: the disk or the bucket is full (one line naming the step, the directory and the
+    last good step, which is intact; the rerun removes the half-written step)."""
+
+
+# how a full disk or bucket reads in the errors of the libraries that write checkpoints (tensorstore's OS error, a
+# Python OSError, GCS's JSON API)
+_NO_SPACE = re.compile(r"No space left on device|ENOSPC|\[OS error 28\]|Disk quota exceeded|EDQUOT|quotaExceeded|"
+                       r"storage quota|exceeded .*quota", re.IGNORECASE)
+
+
+class _NoSpaceNoise(logging.Filter):
+    """On the loggers orbax's writers report through (absl's; asyncio's, for the writes still pending at exit):
+    drops the records of a full disk or bucket (a traceback per writer thread, ~300 lines), which the run's
+    CheckpointSpaceError says in one line. Every other record passes."""
+    seen = False  # a no-space error was seen: its stragglers (threads cut off at exit) are noise too
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (exc is not None and _no_space(exc)) or _NO_SPACE.search(record.getMessage()):
+            _NoSpaceNoise.seen = True
+            return False
+        return not (_NoSpaceNoise.seen and "after interpreter shutdown" in record.getMessage())
+
+
+_NO_SPACE_FILTER = _NoSpaceNoise()
+
+
+def _no_space(e: BaseException) -> str | None:
+    """The phrase saying the disk or bucket is full, if `e` or any error it came from says so; else None."""
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (28, 122):  # ENOSPC, EDQUOT
+            return os.strerror(x.errno)
+        m = _NO_SPACE.search(str(x))
+        if m:
+            return m.group(0)
+        stack += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+    return None
 
 
 @dataclasses.dataclass
@@ -255,7 +302,7 @@ class Checkpointer:
                  verify_after_write: bool = True, fingerprint: dict | None = None):
         if keep is not None and int(keep) < 1:
             raise ValueError(f"Checkpointer keep={keep!r}: expected an integer >= 1 or None (keep all)")
-        self.directory = os.path.abspath(directory)
+        self.directory = fs.abspath(directory)  # local or gs:// (orbax and tensorstore speak both)
         self.save_every = int(save_every)
         self.keep = None if keep is None else int(keep)
         self.async_save = async_save
@@ -269,6 +316,10 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        for name in ("absl", "asyncio"):  # orbax logs through absl's logger; asyncio reports abandoned writes
+            if _NO_SPACE_FILTER not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_NO_SPACE_FILTER)
+        self._no_space = False  # a save did not fit: close() only releases orbax's threads
         self._verified: set[int] = set()  # steps read back and found intact (this process's lifetime)
         self._pending: dict[int, tuple] = {}  # step -> (abstract state, checksums, loop_state sha) until verified
 
@@ -284,6 +335,13 @@ class Checkpointer:
         user_meta = _json_checked(metadata, "checkpoint metadata")
         loop_state = _json_checked(loop_state, "loop_state")
         self._finish_pending()  # the previous step is verified (and old ones collected) before a new write starts
+        try:
+            return self._start_save(state, step, user_meta, loop_state, force)
+        except Exception as e:
+            self._raise_if_no_space(e, [step])
+            raise
+
+    def _start_save(self, state: TrainState, step: int, user_meta: dict, loop_state: dict, force: bool) -> bool:
         sums = array_checksums(state)
         meta = {"step": step, "time": time.time(), "jax_version": jax.__version__,
                 "num_devices": jax.device_count(), "mesh": _mesh_of(state)}
@@ -300,9 +358,26 @@ class Checkpointer:
                 self._finish_pending()
         return started
 
+    def _raise_if_no_space(self, e: BaseException, steps) -> None:
+        """CheckpointSpaceError (one line) instead of `e` when `e` says the disk or bucket is full."""
+        why = _no_space(e)
+        if why is None:
+            return
+        self._pending.clear()  # the half-written step is never verified; the rerun's orbax removes it
+        self._no_space = True
+        good = sorted(self._verified) or [s for s in self.all_steps() if s not in steps]
+        last = f"the last good step, {good[-1]}, is intact" if good else "no earlier step was saved"
+        raise CheckpointSpaceError(f"checkpoint step {', '.join(map(str, sorted(steps)))} did not fit in "
+                                   f"{self.directory} ({why}); {last}: free space there (or raise the quota) and "
+                                   f"rerun the same command to resume") from None
+
     def _finish_pending(self) -> None:
         """Wait for the write in flight, verify every step written since, then apply retention."""
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            self._raise_if_no_space(e, list(self._pending))
+            raise
         for step in sorted(self._pending):
             abstract, sums, loop_sha = self._pending.pop(step)
             try:
@@ -492,13 +567,13 @@ class Checkpointer:
         """Rename bad step directories to `<step>.corrupt[-n]` (kept for inspection, invisible to orbax)."""
         moved = {}
         for s in steps:
-            src = os.path.join(self.directory, str(s))
+            src = fs.join(self.directory, str(s))
             dst, n = src + ".corrupt", 1
-            while os.path.exists(dst):
+            while fs.exists(dst):
                 dst, n = f"{src}.corrupt-{n}", n + 1
             moved[s] = dst
-            if jax.process_index() == 0 and os.path.isdir(src):
-                os.rename(src, dst)
+            if jax.process_index() == 0 and fs.isdir(src):
+                fs.rename(src, dst)
             self._verified.discard(s)
         _sync("nlac_checkpoint_move_aside")
         self._mngr.reload()
@@ -525,6 +600,12 @@ class Checkpointer:
         self._finish_pending()
 
     def close(self) -> None:
+        if self._no_space:  # the error was raised once, in one line; orbax repeats it while its threads end
+            try:
+                self._mngr.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return
         self._finish_pending()
         self._mngr.close()
 
