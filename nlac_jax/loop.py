@@ -55,7 +55,8 @@ class LoopConfig:
     eval_before_training: evaluate the starting policy before the first iteration (metrics row ``iteration`` 0, the
       summary table's first line; skipped on resume, where the row is already written), so a run from a warm start
       shows where it began. eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
-      there are fewer tasks than episodes); calibration_transitions: (s, a) pairs for the critic diagnostics.
+      there are fewer tasks than episodes); calibration_transitions: (s, a) pairs for the critic diagnostics;
+      score_transitions: (s, a) pairs whose P(success) is scored for the critic's AUC and Brier score (0 = off).
     checkpoint_every / keep_checkpoints: in iterations.
     sampler_max_batch: prompts per sampler call; sampler_min_batch: calls are padded to at least this many rows
       (fewer shapes to compile: rollouts' shrinking batches share one executable). sampler_compact_levels: once a
@@ -84,6 +85,7 @@ class LoopConfig:
     eval_every: int = 2
     eval_episodes: int = 8
     calibration_transitions: int = 8
+    score_transitions: int = 128
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     sampler_max_batch: int = 64
@@ -100,7 +102,7 @@ class LoopConfig:
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
-                      "dump_examples", "seed", "sampler_compact_levels")
+                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels")
         for name in at_least_1:
             _check_int(self, name, 1)
         for name in at_least_0:
@@ -473,6 +475,7 @@ class NLACRun:
         m, _ = evaluation.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
                                 params=params,
                                 calibration_transitions=self.loop.calibration_transitions,
+                                score_transitions=self.loop.score_transitions,
                                 max_turns=self.loop.max_turns, processes=self.processes)
         m.update(self.roles.counters.as_dict("eval/gen/"))
         m.update(self.fitter.reset_counters().as_dict("eval/prompt/"))

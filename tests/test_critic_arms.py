@@ -315,7 +315,7 @@ def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model,
         params = jax.device_put(params, models.param_shardings(cfg, mesh))
     conts = out.token_lists()
     want = [float(out.logprobs[b, :out.lengths[b]].sum()) for b in range(len(prompts))]
-    got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks
+    got = Scorer(cfg, mesh, max_batch=2).logprobs(params, prompts, conts)  # 2 chunks without a mesh, 1 with
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="row 1: empty continuation"):
         Scorer(cfg).logprobs(params, prompts[:2], [[1], []])
@@ -373,6 +373,7 @@ def test_self_distillation_refines_from_real_rollouts_of_the_policy():
     got = {e.action: e.futures for e in ex}
     assert got == want
     assert [e.target_text for e in ex] == ["5", "5", "5"] and all(e.kind == 1 for e in ex)
+    assert all(e.futures_from == "real rollouts" for e in ex)
     (ev,) = roles.calls_for("evaluator")
     assert all(f in ev.user_texts()[0] for f in want[trs[0].action][:1])
 

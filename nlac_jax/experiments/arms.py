@@ -220,6 +220,7 @@ class NLQL(NLAC):
                 ex.action = ex.target_text = pairs[mine[k][0]][1]
                 ex.critique = "P(success) by candidate: " + "; ".join(
                     f"{pairs[i][1]!r} {v:.3f}" for i, v in mine)
+                ex.critiques, ex.critiqued_actions = [ex.critique], [ex.action]  # shown in the example dump
                 best_p.append(mine[k][1])
                 mean_p.extend(v for _, v in mine)
                 not_first += int(k > 0)

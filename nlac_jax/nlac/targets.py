@@ -284,6 +284,7 @@ class PolicyExample:
     action_source: str = "policy"  # 'policy' (fresh sample from π_θ) or 'buffer'
     action_stop_reason: str | None = None  # why the fresh sample of a stopped (None for buffer actions)
     futures: list[str] = dataclasses.field(default_factory=list)  # d¹..dᵏ of a (empty when ablated)
+    futures_from: str = "M_θ"  # who wrote the futures: the successor, or 'real rollouts' (given futures)
     critique: str = ""  # Q_L(s, a), the first critique ("" when ablated)
     verdict: bool | None = None  # parsed from ``critique``; None = unparsable (or ablated)
     critiques: list[str] = dataclasses.field(default_factory=list)  # every critique written, in order
@@ -566,6 +567,7 @@ def build_policy_examples(
         raise ValueError(f"{len(actions)} actions for {n} states")
     if tasks is not None and len(tasks) != n:
         raise ValueError(f"{len(tasks)} tasks for {n} states")
+    given = futures
     if futures is not None:
         if len(futures) != n:
             raise ValueError(f"{len(futures)} future lists for {n} states")
@@ -712,6 +714,7 @@ def build_policy_examples(
                 action_source=source,
                 action_stop_reason=act_reasons[j],
                 futures=futures[j],
+                futures_from="M_θ" if given is None else "real rollouts",
                 critique=critiques[j],
                 verdict=verdicts[j],
                 critiques=all_critiques[j],
@@ -795,7 +798,7 @@ def format_examples_for_humans(
             _indent(e.action),
         ]
         for fi, f in enumerate(e.futures):
-            lines += [f"FUTURE d^{fi + 1} (M_θ):", _indent(f)]
+            lines += [f"FUTURE d^{fi + 1} ({e.futures_from}):", _indent(f)]
         if e.critique_ablated:
             lines += ["CRITIQUE Q_L: (ablated: the refiner saw a fixed uninformative text)"]
         for ci, (c, judged) in enumerate(zip(e.critiques, e.critiqued_actions)):

@@ -11,8 +11,9 @@ L1/L2, so a score is exactly minus the (unweighted) NLL the train step would com
 row's continuation positions reach the LM head (gathered first, as ``loss.target_position_losses`` does), so a large
 vocabulary costs [B, K, V] logits with K the continuation bucket, not [B, T, V].
 
-Static shapes: batch -> power of two (a multiple of the data-parallel size), length -> power of two >= 16,
-continuation -> power of two >= 8; one executable per (batch, length, continuation) bucket, whatever the values.
+Static shapes, so that evaluation compiles once: every call runs `max_batch` rows (filler rows added; a multiple
+of the data-parallel size) and T = prompt bucket + continuation bucket (powers of two >= 16 and >= 8, as the
+sampler buckets its prompts and budgets): a new executable only when the longest prompt crosses a power of two.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class Scorer:
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, max_batch: int = 64):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
-        self.max_batch = max(1, int(max_batch))
         self._dp = 1 if mesh is None else sharding.data_parallel_size(mesh, rules)
+        self.max_batch = -(-max(1, int(max_batch)) // self._dp) * self._dp
         if mesh is None:
             self._param_shardings, self._batch_shardings, rep = None, None, None
         else:
@@ -101,12 +102,9 @@ class Scorer:
             params = jax.device_put(params, self._param_shardings)  # no copy when already laid out
         for s in range(0, len(rows), self.max_batch):
             chunk = rows[s:s + self.max_batch]
-            B = text.bucket_length(len(chunk), 1)
-            B = -(-B // self._dp) * self._dp
-            longest = max(len(r.prompt_ids) + len(r.target_ids) for r in chunk)
-            packed = text.pack_examples(chunk, max_len=max(longest, 2), pad_id=pad_id, batch_size=B,
-                                        pad_to=text.bucket_length(longest, 16))
             K = text.bucket_length(max(len(r.target_ids) for r in chunk), _MIN_CONT_BUCKET)
+            T = text.bucket_length(max(len(r.prompt_ids) for r in chunk), 16) + K
+            packed = text.pack_examples(chunk, max_len=T, pad_id=pad_id, batch_size=self.max_batch, pad_to=T)
             batch = {k: getattr(packed, k) for k in SCORE_KEYS}
             if jax.process_count() > 1:  # every process holds the whole batch: each places its own rows
                 from nlac_jax.distributed import replicated_to_global
