@@ -426,3 +426,22 @@ def test_damaged_segments_are_refused_with_one_line_naming_the_file():
             ReplayBuffer(1).load_checkpoint(index, {"seg/7.jsonl.gz": blob})
         msg = str(e.value)
         assert msg.startswith("seg/7.jsonl.gz: ") and "\n" not in msg, (what, msg)
+
+
+def test_chunks_encoded_as_transitions_enter_give_the_same_buffer_and_bytes():
+    import gzip
+    bufs = [ReplayBuffer(50) for _ in range(3)]
+    for buf in bufs:
+        assert buf.checkpoint("none") == (buf.checkpoint("none")[0], {})  # empty: no file; chunks start here
+    for buf in bufs[:2]:
+        for k in range(3):  # three add calls: three chunks, encoded in the background
+            buf.add([make_t(i, done=i % 4 == 3) for i in range(4 * k, 4 * k + 4)])
+    bufs[2].add([make_t(i, done=i % 4 == 3) for i in range(12)])  # one call
+    (ia, fa), (ib, fb), (ic, fc) = (buf.checkpoint("s.jsonl.gz") for buf in bufs)
+    assert fa == fb and ia == ib  # equal content, equal bytes (the same on every process)
+    headers = [gzip.decompress(f["s.jsonl.gz"]).decode().count('"format"') for f in (fa, fc)]
+    assert headers == [3, 1]
+    for index, files in ((ia, fa), (ic, fc)):
+        back = ReplayBuffer(1)
+        back.load_checkpoint(index, files)
+        assert list(back) == [make_t(i, done=i % 4 == 3) for i in range(12)]

@@ -15,7 +15,10 @@ Capacity counts transitions (FIFO, as before); an episode is freed when no trans
 
 Checkpoints (``checkpoint`` / ``load_checkpoint``): episodes and transitions never change once added, so each save
 writes only what entered since the previous one as one segment file (``buffer_segments``), and the loop state holds
-a small index of the segments that still hold live transitions.
+a small index of the segments that still hold live transitions. Once a buffer has been checkpointed (or restored
+from a checkpoint), each ``add`` call's transitions are encoded into a compressed chunk by a background thread as
+they enter, so a save only joins the chunks of the calls since the previous one (and waits for the encoder only if
+it has not caught up): saving costs about the same whatever the buffer holds.
 
 Sampling semantics (``sample(n, seed)``):
   * ``replace=None`` (default): WITHOUT replacement when ``n <= len(buffer)`` (a batch never repeats a
@@ -31,22 +34,35 @@ Sampling semantics (``sample(n, seed)``):
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
-import itertools
 import json
 import os
+import threading
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import gin
 import numpy as np
 
 from nlac_jax.envs.transition import Transition, copy_messages
-from nlac_jax.rl.buffer_segments import Ref, SegmentError, decode_segment, encode_segment, referenced
+from nlac_jax.rl.buffer_segments import Ref, SegmentError, decode_segment, encode_chunk, referenced
 
 __all__ = ["ReplayBuffer", "rng_from_seed"]
 
 _STATE_VERSION = 1  # state_dict(): every transition in full (the loop state of checkpoints before segments)
 _INDEX_VERSION = 2  # checkpoint(): counters + the segment files
+
+
+_ENCODER: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: chunks are encoded in add order
+_ENCODER_LOCK = threading.Lock()
+
+
+def _encoder() -> concurrent.futures.ThreadPoolExecutor:
+    global _ENCODER
+    with _ENCODER_LOCK:
+        if _ENCODER is None:
+            _ENCODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="replay-buffer-segments")
+        return _ENCODER
 
 
 def rng_from_seed(key_or_seed: Any) -> np.random.Generator:
@@ -73,6 +89,7 @@ class _Placer:
 
     def __init__(self, buf: "ReplayBuffer"):
         self.buf, self.open_id, self.open = buf, None, None
+        self.created: dict[int, list[dict]] = {}  # the episodes this call stored (its transitions refer to no other)
 
     def place(self, messages: Sequence[Mapping]) -> tuple[int, int]:
         """(episode id, prefix length) of a stored episode whose first len(messages) messages equal `messages`."""
@@ -86,7 +103,7 @@ class _Placer:
                 return self.open_id, n
         buf = self.buf
         self.open_id, self.open = buf._next_episode, [dict(x) for x in messages]
-        buf._episodes[self.open_id] = self.open
+        buf._episodes[self.open_id] = self.created[self.open_id] = self.open
         buf._episode_refs[self.open_id] = 0
         buf._next_episode += 1
         return self.open_id, n
@@ -109,9 +126,10 @@ class ReplayBuffer:
         self._next_episode = 0
         self.total_added = 0
         self.total_evicted = 0
-        # checkpoints: transitions [0, _saved_added) are in the segment files listed in _segments (or evicted)
-        self._saved_added = 0
+        # checkpoints: the live segment files, and the chunks of what entered since the last one (None: the buffer
+        # was never checkpointed, so nothing is encoded as it enters): (first, count, future bytes) per add call
         self._segments: list[dict] = []
+        self._journal: list[tuple[int, int, concurrent.futures.Future]] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -144,26 +162,34 @@ class ReplayBuffer:
         """Appends transitions (oldest evicted first once full). Returns how many were evicted by this call."""
         if isinstance(transitions, Transition):
             transitions = [transitions]
-        placer, evicted = _Placer(self), 0
-        for t in transitions:
-            if not isinstance(t, Transition):
-                raise TypeError(f"expected Transition, got {type(t).__name__}")
-            self._append(placer, t)
-            self.total_added += 1
-            if len(self._items) > self.capacity:
-                self._evict_oldest()
-                evicted += 1
-        self.total_evicted += evicted
+        placer, evicted, first, refs = _Placer(self), 0, self.total_added, []
+        try:
+            for t in transitions:
+                if not isinstance(t, Transition):
+                    raise TypeError(f"expected Transition, got {type(t).__name__}")
+                refs.append(self._append(placer, t))
+                self.total_added += 1
+                if len(self._items) > self.capacity:
+                    self._evict_oldest()
+                    evicted += 1
+        finally:  # what did enter is journaled even when a bad item stops the call
+            self.total_evicted += evicted
+            if self._journal is not None and refs:
+                self._journal.append((first, len(refs), _encoder().submit(encode_chunk, refs, placer.created,
+                                                                          first)))
         return evicted
 
-    def _append(self, placer: _Placer, t: Transition) -> None:
+    def _append(self, placer: _Placer, t: Transition) -> Ref:
         s_ep, s_len = placer.place(t.state)
         n_ep, n_len = (None, None) if t.next_state is None else placer.place(t.next_state)
-        self._items.append(Ref(s_ep, s_len, n_ep, n_len, t.action, t.reward, t.done, t.episode_return, t.task,
-                               t.info))
+        # the info dict is copied: the chunk encoder reads it in the background
+        r = Ref(s_ep, s_len, n_ep, n_len, t.action, t.reward, t.done, t.episode_return, t.task,
+                t.info if t.info is None else dict(t.info))
+        self._items.append(r)
         self._episode_refs[s_ep] += 1
         if n_ep is not None:
             self._episode_refs[n_ep] += 1
+        return r
 
     def _evict_oldest(self) -> None:
         r = self._items.popleft()
@@ -214,19 +240,24 @@ class ReplayBuffer:
         """(index, new files) for a checkpoint: what entered since the last call, as one segment file.
 
         index: small JSON for the loop state (version, capacity, counters, the live segments with their sha256);
-        new files: {name: bytes} of the new segment ({} when nothing new is held). Older segments are listed in
-        the index but not returned: the checkpoint already holds them. The call marks the new segment as saved,
-        so call it only for a checkpoint that is written (a failed save ends the run; its rerun restores the
-        buffer from the checkpoint it resumes). Costs O(what is new), however full the buffer is."""
+        new files: {name: bytes} of the new segment ({} when nothing entered). Older segments are listed in the
+        index but not returned: the checkpoint already holds them. The call marks the new segment as saved, so
+        call it only for a checkpoint that is written (a failed save ends the run; its rerun restores the buffer
+        from the checkpoint it resumes). The first call encodes what the buffer holds here; later calls join the
+        chunks encoded in the background since the previous call (see the module docstring)."""
         new: dict[str, bytes] = {}
-        start = max(self._saved_added, self.total_evicted)
-        if self.total_added > start:
-            refs = list(itertools.islice(reversed(self._items), self.total_added - start))[::-1]
-            data = encode_segment(refs, self._episodes, first=start)
+        if self._journal is None:  # the first checkpoint: what is held, encoded now
+            start = self.total_evicted
+            refs = list(self._items)
+            chunks = [(start, len(refs), encode_chunk(refs, self._episodes, start))] if refs else []
+        else:
+            chunks = [(first, count, fut.result()) for first, count, fut in self._journal]
+        self._journal = []
+        if chunks:
+            data = b"".join(c[2] for c in chunks)
             new[name] = data
-            self._segments.append({"name": name, "sha256": hashlib.sha256(data).hexdigest(), "first": start,
-                                   "count": len(refs), "bytes": len(data)})
-        self._saved_added = self.total_added
+            self._segments.append({"name": name, "sha256": hashlib.sha256(data).hexdigest(), "first": chunks[0][0],
+                                   "count": sum(c[1] for c in chunks), "bytes": len(data)})
         # a segment whose transitions have all left the buffer is needed no more
         self._segments = [s for s in self._segments if s["first"] + s["count"] > self.total_evicted]
         index = {"version": _INDEX_VERSION, "capacity": self.capacity, "total_added": self.total_added,
@@ -239,6 +270,10 @@ class ReplayBuffer:
         verified files). An index of the older format (`state_dict`, every transition in full) is read too."""
         if index.get("version", _STATE_VERSION) == _STATE_VERSION:
             self.load_state_dict(index)
+            # none of it is in a segment yet: the next checkpoint writes all of it, encoded from now on
+            refs = list(self._items)
+            self._journal = [(self.total_evicted, len(refs), _encoder().submit(
+                encode_chunk, refs, dict(self._episodes), self.total_evicted))] if refs else []
             return
         if index.get("version") != _INDEX_VERSION:
             raise ValueError(f"unsupported ReplayBuffer checkpoint index version {index.get('version')!r}")
@@ -250,16 +285,14 @@ class ReplayBuffer:
             name = seg["name"]
             if name not in files:
                 raise ValueError(f"replay buffer segment {name} is missing from the checkpoint's files")
-            header, eps, seg_refs = decode_segment(files[name], name)
-            first = int(header["first"])
+            first, eps, seg_refs = decode_segment(files[name], name)
             if (first, len(seg_refs)) != (int(seg["first"]), int(seg["count"])):
                 raise SegmentError(f"{name}: holds transitions {first}..{first + len(seg_refs) - 1}, the index "
                                    f"says {seg['first']}..{int(seg['first']) + int(seg['count']) - 1}")
-            skip = max(0, expect - first)  # evicted since the segment was written
             if first > expect:
                 raise ValueError(f"replay buffer segments miss transitions {expect}..{first - 1} ({name} starts "
                                  f"at {first})")
-            live = seg_refs[skip:]
+            live = seg_refs[expect - first:]  # the first ones may have left the buffer since
             refs.extend(live)
             keep = referenced(live)
             episodes.update((k, v) for k, v in eps.items() if k in keep)
@@ -279,8 +312,8 @@ class ReplayBuffer:
                 self._episode_refs[r.next_episode] += 1
         self.total_added, self.total_evicted = added, evicted
         self._next_episode = int(index["next_episode"])
-        self._saved_added = added
         self._segments = [dict(s) for s in index["segments"]]
+        self._journal = []
 
     # --- JSON forms (every transition in full) -----------------------------------------------------------
 
@@ -316,8 +349,6 @@ class ReplayBuffer:
             self._append(placer, t)
         self.total_added = int(state["total_added"])
         self.total_evicted = int(state["total_evicted"])
-        # nothing of it is in a segment yet: the next checkpoint writes all of it
-        self._saved_added = self.total_evicted
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes JSON lines: a header line ``{"__replay_buffer__": {...}}`` then one transition per line.

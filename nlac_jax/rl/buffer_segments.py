@@ -1,12 +1,13 @@
 """The replay buffer's checkpoint files: each episode's messages once, transitions as references into them.
 
-A *segment* holds what entered the buffer between two checkpoints (and is still in it): the episodes and the
-transitions that refer to them. Episodes and transitions are immutable once in the buffer, so each save writes only
-the new segment; a checkpoint's loop state lists the segments that still hold live transitions (the buffer's
-``checkpoint_index``), each with the sha256 of its bytes.
+A *segment* holds what entered the buffer between two checkpoints: the episodes and the transitions that refer
+to them. Episodes and transitions are immutable once in the buffer, so each save writes only the new segment; a
+checkpoint's loop state lists the segments that still hold live transitions (``ReplayBuffer.checkpoint``), each
+with the sha256 of its bytes.
 
-File format: gzip (``mtime=0``, so equal content gives equal bytes on every process) of UTF-8 JSON lines,
-readable with ``zcat``:
+File format: one or more *chunks* (one per ``ReplayBuffer.add`` call, encoded as the transitions enter), each a
+gzip member (``mtime=0``, so equal content gives equal bytes on every process) of UTF-8 JSON lines; the members
+concatenated are one gzip file, readable with ``zcat``. A chunk:
 
     {"format": "nlac_replay_segment", "version": 1, "first": G, "transitions": N, "episodes": E, "strings": S}
     ["s", text]                                   string i of the segment's table (texts of >= INTERN_CHARS)
@@ -15,9 +16,9 @@ readable with ``zcat``:
 
 A transition's state is ``episode[s_ep].messages[:s_len]`` and its next state ``episode[n_ep].messages[:n_len]``
 (``n_ep`` null: no next state); ``action`` null means the text of the next state's message ``s_len`` (the
-assistant message the action became). Transition lines are in buffer order, global indices G .. G+N-1; every
-episode line comes before the first transition that refers to it. Long texts (τ-bench's ~20k-character system
-prompt is in every episode) are stored once per segment.
+assistant message the action became). Transition lines are in buffer order, global indices G .. G+N-1 (the next
+chunk starts at G+N); every episode line comes before the first transition that refers to it, in the same chunk.
+Long texts (τ-bench's ~20k-character system prompt is in every episode) are stored once per chunk.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from nlac_jax.envs.transition import to_jsonable
 
-__all__ = ["FORMAT", "INTERN_CHARS", "Ref", "SegmentError", "decode_segment", "encode_segment"]
+__all__ = ["FORMAT", "INTERN_CHARS", "Ref", "SegmentError", "decode_segment", "encode_chunk"]
 
 FORMAT = "nlac_replay_segment"
 VERSION = 1
@@ -69,9 +70,10 @@ def _message_json(m) -> dict:
     return to_jsonable(m)
 
 
-def encode_segment(refs: Sequence[Ref], episodes: Mapping[int, Sequence[Mapping]], first: int) -> bytes:
-    """The segment file (gzip'd JSON lines) of transitions `refs` (global indices first .. first+len-1) and the
-    `episodes` (id -> messages) they refer to; every referenced episode must be in `episodes`."""
+def encode_chunk(refs: Sequence[Ref], episodes: Mapping[int, Sequence[Mapping]], first: int) -> bytes:
+    """One chunk (a gzip member of JSON lines) of transitions `refs` (global indices first .. first+len-1) and the
+    `episodes` (id -> messages) they refer to; every referenced episode must be in `episodes`. Chunks of
+    consecutive transitions concatenated are a segment file."""
     strings: dict[str, int] = {}
     lines: list[str] = []
     written: set[int] = set()
@@ -109,8 +111,9 @@ def encode_segment(refs: Sequence[Ref], episodes: Mapping[int, Sequence[Mapping]
     return gzip.compress(text.encode("utf-8", "surrogatepass"), compresslevel=COMPRESS_LEVEL, mtime=0)
 
 
-def decode_segment(data: bytes, name: str = "segment") -> tuple[dict, dict[int, list[dict]], list[Ref]]:
-    """(header, episodes id -> messages, transition refs in order) of a file written by `encode_segment`.
+def decode_segment(data: bytes, name: str = "segment") -> tuple[int, dict[int, list[dict]], list[Ref]]:
+    """(the first transition's global index, episodes id -> messages, transition refs in order) of a segment file
+    (chunks written by `encode_chunk`, concatenated).
 
     Raises SegmentError (one line naming `name`, the line and the fault) for anything malformed."""
     try:
@@ -120,18 +123,28 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict, dict[int, 
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    header = _parse(lines[0] if lines else "", name, 1)
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise SegmentError(f"{name}: line 1 is not a {FORMAT} header")
-    if header.get("version") != VERSION:
-        raise SegmentError(f"{name}: segment version {header.get('version')!r}, this code reads {VERSION}")
+    first = header = None
     strings: list[str] = []
     episodes: dict[int, list[dict]] = {}
     refs: list[Ref] = []
-    for no, line in enumerate(lines[1:], start=2):
+    chunk: dict = {}
+    for no, line in enumerate(lines, start=1):
         row = _parse(line, name, no)
+        if isinstance(row, dict) or header is None:
+            _check_counts(name, header, chunk)
+            header = _header(row, name, no)
+            if first is None:
+                first = header["first"]
+            elif header["first"] != first + len(refs):
+                raise SegmentError(f"{name}: line {no}: a chunk starts at transition {header['first']}, the one "
+                                   f"before ends at {first + len(refs) - 1}")
+            strings, chunk = [], {"transitions": 0, "episodes": 0, "strings": 0}
+            continue
         try:
             kind = row[0]
+            chunk_kind = {"s": "strings", "e": "episodes", "t": "transitions"}.get(kind)
+            if chunk_kind:
+                chunk[chunk_kind] += 1
             if kind == "s":
                 strings.append(row[1])
             elif kind == "e":
@@ -153,11 +166,30 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict, dict[int, 
                 raise ValueError(f"unknown row kind {kind!r}")
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise SegmentError(f"{name}: line {no}: malformed row ({type(e).__name__}: {e})") from None
-    counts = {"transitions": len(refs), "episodes": len(episodes), "strings": len(strings)}
-    for k, v in counts.items():
+    if header is None:
+        raise SegmentError(f"{name}: empty segment (no {FORMAT} header)")
+    _check_counts(name, header, chunk)
+    return first, episodes, refs
+
+
+def _header(row, name: str, no: int) -> dict:
+    if not isinstance(row, dict) or row.get("format") != FORMAT:
+        raise SegmentError(f"{name}: line {no} is not a {FORMAT} header")
+    if row.get("version") != VERSION:
+        raise SegmentError(f"{name}: line {no}: segment version {row.get('version')!r}, this code reads {VERSION}")
+    if not isinstance(row.get("first"), int):
+        raise SegmentError(f"{name}: line {no}: the header has no transition index 'first'")
+    return row
+
+
+def _check_counts(name: str, header: dict | None, chunk: dict) -> None:
+    """The chunk that `header` began holds the rows it announced (a cut file fails here)."""
+    if header is None:
+        return
+    for k, v in chunk.items():
         if header.get(k) != v:
-            raise SegmentError(f"{name}: the header says {header.get(k)!r} {k}, the file holds {v}")
-    return header, episodes, refs
+            raise SegmentError(f"{name}: a chunk's header (transitions from {header['first']}) says "
+                               f"{header.get(k)!r} {k}, the chunk holds {v}")
 
 
 def _parse(line: str, name: str, no: int):
