@@ -14,10 +14,13 @@ nothing) in the same process:
     (`ReplayBuffer.state_dict`, then the checkpointer's JSON item); measured at --json_sizes (it needs ~3x the
     JSON in memory: 100,000 retail transitions are ~5 GB of JSON). At the other sizes its bytes are computed exactly
     (the same JSON, one transition at a time) and its time extrapolated linearly from the largest measured size.
-  * segments: `NLACRun.save` itself: the first save of a buffer of N new transitions, then a steady-state save
-    after one more iteration (--new_episodes episodes) entered a buffer already holding N.
-"blocking" is the time the loop waits in save(); "until on disk" includes orbax's background write and the
-read-back verification (Checkpointer.wait). Bytes are the files the save writes for the loop state and the buffer.
+  * segments: `NLACRun.save` itself. First save: a buffer of N transitions that was never saved, all encoded in
+    save (the worst case; in a run the first save comes after one iteration). Steady state: the buffer holds N,
+    then --iterations_per_save iterations of --episodes_per_iteration episodes enter (FIFO: as many leave), each
+    add's chunk encoded in the background (the benchmark waits for the encoder first: in a run those iterations'
+    sampling and training take minutes), then the save; "encoding" is that background work, timed on its own.
+"blocking" is the time the loop waits in save(); "until on disk" adds orbax's background write and the read-back
+verification (Checkpointer.wait). Bytes are the files a save writes for the loop state and the buffer.
 """
 
 from __future__ import annotations
@@ -157,14 +160,16 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     p.add_argument("--json_sizes", type=int, nargs="*", default=[10_000, 20_000],
                    help="sizes at which the JSON path is really saved (memory: ~150 KB per transition)")
-    p.add_argument("--tasks", type=int, default=24, help="real retail episodes to record (default 24)")
-    p.add_argument("--new_episodes", type=int, default=64, help="episodes of the steady-state iteration")
+    p.add_argument("--tasks", type=int, default=74, help="real retail episodes to record (default: all 74 train)")
+    p.add_argument("--episodes_per_iteration", type=int, default=256, help="(the 7B run files' value)")
+    p.add_argument("--iterations_per_save", type=int, default=5, help="(checkpoint_every in the 7B run files)")
     p.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
     args = p.parse_args(argv)
 
     import numpy as np
     from nlac_jax import training
     from nlac_jax.rl import ReplayBuffer
+    from nlac_jax.rl.buffer_segments import encode_chunk
     cfg, mesh, opt, state = tiny_setup()
     t0 = time.perf_counter()
     recorded = record_episodes(args.tasks)
@@ -177,9 +182,9 @@ def main(argv=None) -> int:
         for n in sorted(set(args.sizes) | set(args.json_sizes)):
             ts, next_copy = make_transitions(recorded, n)
             buf = ReplayBuffer(capacity=n)
-            t_add = timed(lambda: buf.add(ts))
+            buf.add(ts)
             del ts
-            row = {"n": n, "episodes": buf.num_episodes, "add_s": t_add}
+            row = {"n": n, "episodes": buf.num_episodes}
             if n in args.json_sizes:
                 d = os.path.join(root, f"json_{n}")
                 ckpt = training.Checkpointer(d, save_every=1, keep=2)
@@ -196,23 +201,32 @@ def main(argv=None) -> int:
                 d = os.path.join(root, f"seg_{n}")
                 ckpt = training.Checkpointer(d, save_every=1, keep=2)
                 run = _Run(ckpt, buf, state)
-                row["seg_first_block_s"] = timed(lambda: run.save(0))
-                row["seg_first_disk_s"] = row["seg_first_block_s"] + timed(ckpt.wait)
-                files = os.path.join(d, "files")
-                row["seg_first_bytes"] = dir_bytes(files) + dir_bytes(os.path.join(d, "1", "loop_state"))
-                new = [t for j in range(args.new_episodes)  # one more iteration's episodes
-                       for t in episode_transitions(copy_of(recorded, next_copy + j))]
-                buf.add(new)
-                row["steady_new"] = len(new)
-                before = {f: os.path.getsize(os.path.join(files, "replay_buffer", f))
-                          for f in os.listdir(os.path.join(files, "replay_buffer"))}
-                row["seg_steady_block_s"] = timed(lambda: run.save(1))
-                row["seg_steady_disk_s"] = row["seg_steady_block_s"] + timed(ckpt.wait)
-                after = {f: os.path.getsize(os.path.join(files, "replay_buffer", f))
-                         for f in os.listdir(os.path.join(files, "replay_buffer"))}
-                row["seg_steady_bytes"] = sum(v for f, v in after.items() if f not in before) + dir_bytes(
-                    os.path.join(d, "2", "loop_state"))
-                row["seg_total_bytes"] = dir_bytes(files)
+                files = os.path.join(d, "files", "replay_buffer")
+                # the first save of a buffer that was never saved: all n encoded in save (the worst case)
+                row["first_block_s"] = timed(lambda: run.save(0))
+                row["first_disk_s"] = row["first_block_s"] + timed(ckpt.wait)
+                row["first_bytes"] = dir_bytes(files) + dir_bytes(os.path.join(d, "1", "loop_state"))
+                # the steady state: iterations_per_save iterations of new episodes enter a full buffer (FIFO),
+                # each add's chunk encoded in the background while the loop would sample and train
+                added = []
+                for _ in range(args.iterations_per_save):
+                    new = [t for j in range(args.episodes_per_iteration)
+                           for t in episode_transitions(copy_of(recorded, next_copy + j))]
+                    next_copy += args.episodes_per_iteration
+                    buf.add(new)
+                    added.append(len(new))
+                row["steady_new"] = sum(added)
+                t = time.perf_counter()
+                buf.wait_encoded()  # the model work of those iterations (minutes) happens here in a run
+                row["steady_wait_s"] = time.perf_counter() - t
+                before = set(os.listdir(files))
+                row["steady_block_s"] = timed(lambda: run.save(1))
+                row["steady_disk_s"] = row["steady_block_s"] + timed(ckpt.wait)
+                row["steady_bytes"] = sum(os.path.getsize(os.path.join(files, f)) for f in os.listdir(files)
+                                          if f not in before) + dir_bytes(os.path.join(d, "2", "loop_state"))
+                row["all_segments_bytes"] = dir_bytes(files)
+                refs = list(buf._items)[-row["steady_new"]:]
+                row["encode_s"] = timed(lambda: encode_chunk(refs, buf._episodes, 0))  # the same work, timed here
                 # restore: what every process does on resume; the views must be what went in
                 abstract = training.abstract_train_state(cfg, mesh, opt)
                 t = time.perf_counter()
@@ -221,7 +235,7 @@ def main(argv=None) -> int:
                 back.load_checkpoint(restored.loop_state["buffer"], restored.files)
                 row["restore_s"] = time.perf_counter() - t
                 idx = np.random.default_rng(0).choice(len(buf), size=min(2000, len(buf)), replace=False)
-                assert all(back[int(i)] == buf[int(i)] for i in idx), "restored views differ"
+                assert len(back) == len(buf) and all(back[int(i)] == buf[int(i)] for i in idx), "restored views differ"
                 ckpt.close()
                 shutil.rmtree(d)
             rows.append(row)
@@ -233,30 +247,30 @@ def main(argv=None) -> int:
     big = max(json_measured) if json_measured else None
     flags = subprocess.run("grep -o -w -e avx512_bf16 -e avx2 /proc/cpuinfo | sort -u", shell=True,
                            capture_output=True, text=True).stdout.split()
-    print(f"\nCPU flags: {' '.join(flags) or '(none of avx2, avx512_bf16)'}; {os.cpu_count()} CPUs; "
+    print(f"\nCPU flags: {' '.join(flags) or '(neither avx2 nor avx512_bf16)'}; {os.cpu_count()} CPUs; "
           f"load average at the end: {os.getloadavg()[0]:.2f}")
-    print("| transitions | episodes | JSON path: bytes/save | blocking | until on disk | segments: first save bytes | "
-          "blocking | until on disk | steady save (+new) bytes | blocking | until on disk | all segments | "
-          "bytes vs JSON | restore |")
-    print("|" + "---|" * 15)
+    print("| transitions (episodes) | JSON path: bytes per save | blocking | until on disk "
+          "| segments, first save: bytes | blocking | steady save: new transitions | bytes | blocking "
+          "| encoding (background) | until on disk | all segments on disk | steady bytes vs JSON | restore |")
+    print("|" + "---|" * 14)
     for r in rows:
-        if "seg_first_bytes" not in r:
+        if "first_bytes" not in r:
             continue
         n = r["n"]
         if n in json_measured:
-            jb, jd = f"{r['json_block_s']:.2f} s", f"{r['json_disk_s']:.2f} s"
+            jb, jd = f"{r['json_block_s']:.1f} s", f"{r['json_disk_s']:.1f} s"
         elif big:
             f = n / big
-            jb = f"~{json_measured[big]['json_block_s'] * f:.1f} s (extrap.)"
-            jd = f"~{json_measured[big]['json_disk_s'] * f:.1f} s (extrap.)"
+            jb = f"~{json_measured[big]['json_block_s'] * f:.0f} s (extrap.)"
+            jd = f"~{json_measured[big]['json_disk_s'] * f:.0f} s (extrap.)"
         else:
             jb = jd = "n/a"
-        print(f"| {n:,} | {r['episodes']:,} | {r['json_bytes'] / 1e6:,.1f} MB | {jb} | {jd} | "
-              f"{r['seg_first_bytes'] / 1e6:,.2f} MB | {r['seg_first_block_s']:.2f} s | {r['seg_first_disk_s']:.2f} s | "
-              f"{r['seg_steady_bytes'] / 1e6:,.3f} MB (+{r['steady_new']}) | {r['seg_steady_block_s']:.3f} s | "
-              f"{r['seg_steady_disk_s']:.3f} s | {r['seg_total_bytes'] / 1e6:,.2f} MB | "
-              f"{100 * r['seg_first_bytes'] / r['json_bytes']:.2f}% (first), "
-              f"{100 * r['seg_steady_bytes'] / r['json_bytes']:.3f}% (steady) | {r['restore_s']:.1f} s |")
+        exact = "" if n in json_measured else " (computed)"
+        print(f"| {n:,} ({r['episodes']:,}) | {r['json_bytes'] / 1e6:,.0f} MB{exact} | {jb} | {jd} "
+              f"| {r['first_bytes'] / 1e6:,.1f} MB | {r['first_block_s']:.1f} s | {r['steady_new']:,} "
+              f"| {r['steady_bytes'] / 1e6:,.2f} MB | {r['steady_block_s']:.3f} s | {r['encode_s']:.2f} s "
+              f"| {r['steady_disk_s']:.2f} s | {r['all_segments_bytes'] / 1e6:,.1f} MB "
+              f"| {100 * r['steady_bytes'] / r['json_bytes']:.2f}% | {r['restore_s']:.1f} s |")
     return 0
 
 

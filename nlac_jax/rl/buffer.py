@@ -236,6 +236,11 @@ class ReplayBuffer:
 
     # --- checkpoints: segment files -----------------------------------------------------------------------
 
+    def wait_encoded(self) -> None:
+        """Block until every chunk of what entered is encoded (`checkpoint` waits for them anyway)."""
+        for _, _, fut in self._journal or ():
+            fut.result()
+
     def checkpoint(self, name: str) -> tuple[dict, dict[str, bytes]]:
         """(index, new files) for a checkpoint: what entered since the last call, as one segment file.
 
