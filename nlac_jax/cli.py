@@ -170,8 +170,8 @@ def run(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | No
     if not debug:
         _install_quiet_hooks(prog)
     try:
-        main(argv)
-        return 0
+        rc = main(argv)
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0  # main's own exit code (e.g. 143)
     except KeyboardInterrupt:
         if debug:
             raise

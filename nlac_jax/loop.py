@@ -22,7 +22,7 @@ from typing import Any
 
 import gin
 
-from nlac_jax import compilations
+from nlac_jax import compilations, interrupts
 # At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.*,
 # ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
 # files are parsed).
@@ -222,6 +222,7 @@ class NLACRun:
         from nlac_jax.distributed import Processes
         from nlac_jax.roles import RoleSampling
 
+        self.stop: interrupts.StopRequest | None = None  # run() installs the SIGTERM flag
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         # several processes (a TPU pod): the envs are divided, everything else is the same on every process
@@ -265,15 +266,17 @@ class NLACRun:
         self.start_iteration = 0
 
         ckpt_dir = checkpoint or self.checkpointer.directory
-        have_ckpt = restore and self.checkpointer.latest_step() is not None
+        # decided once, on process 0, and broadcast (latest_checkpoint_step): every process restores the same step
+        latest = latest_checkpoint_step(ckpt_dir, self.processes) if (restore or checkpoint is not None) else None
+        have_ckpt = latest is not None
         if checkpoint is not None:
-            have_ckpt = True
+            have_ckpt = True  # a named checkpoint with no step in it is an error (CheckpointRestoreError), not a fresh start
             if os.path.abspath(checkpoint) != self.checkpointer.directory:
                 self.checkpointer = training.Checkpointer(checkpoint, save_every=self.loop.checkpoint_every,
                                                           keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         if have_ckpt:
             abstract = training.abstract_train_state(self.cfg, self.mesh, self.optimizer)
-            restored = self.checkpointer.restore(abstract)
+            restored = self.checkpointer.restore(abstract, step=latest)
             self.holder.state = restored.state
             ls = restored.loop_state
             self.start_iteration = int(ls.get("iteration", 0))
@@ -352,6 +355,11 @@ class NLACRun:
                         m["train/dropped_examples"], len(items), self.loop.max_len)
         return batches, m
 
+    def _phase(self, it: int, phase: str, bars) -> None:
+        """The start of `phase` of 0-based iteration `it`: the progress bar, and the test hold point (interrupts)."""
+        interrupts.hold_point(it, phase, self.processes.index, self.processes.count, self.stop)
+        bars(phase)
+
     def iteration(self, it: int, bars, learner=None) -> tuple[dict, str]:
         """One iteration: collect → examples → train (→ eval). `learner` (default: NLAC, see nlac/algorithm.py) picks
         the iteration's tasks and turns its episodes into training examples. Returns (metrics, example dump)."""
@@ -366,7 +374,7 @@ class NLACRun:
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(loop.seed, it, "collect"))
         self.fitter.reset_counters()
-        bars("collect")
+        self._phase(it, "collect", bars)
         tasks = learner.take_tasks(self, loop.episodes_per_iteration)
         episodes, transitions = rollout.collect(self.envs, tasks, evaluation.make_policy_fn(self.roles, self.prompts),
                                                 task_name=self.env_name, max_turns=loop.max_turns,
@@ -380,7 +388,7 @@ class NLACRun:
         # targets
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(loop.seed, it, "targets"))
-        bars("targets")
+        self._phase(it, "targets", bars)
         rng = np.random.default_rng([loop.seed, it, 7])
         examples, dump = learner.examples(self, it, episodes, transitions, rng, m)
         m.update(self.roles.counters.as_dict("targets/gen/"))
@@ -389,7 +397,7 @@ class NLACRun:
 
         # train
         t0 = time.perf_counter()
-        bars("train")
+        self._phase(it, "train", bars)
         sums: dict = {}
         n_tokens = 0
         batches, pack_metrics = self._pack(examples, rng)
@@ -434,7 +442,7 @@ class NLACRun:
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(self.loop.seed, it, "eval"))
         self.fitter.reset_counters()
-        bars("eval")
+        self._phase(it, "eval", bars)
         m, _ = evaluation.evaluate(self.envs, self.eval_tasks, self.roles, self.prompts, self.judge_env,
                                 params=params,
                                 calibration_transitions=self.loop.calibration_transitions,
@@ -456,8 +464,8 @@ class NLACRun:
         return {"process_index": self.processes.index, "cursor": self.cursor.state_dict(), "buffer_sha256": sha,
                 "buffer_size": len(self.buffer)}
 
-    def save(self, it: int) -> None:
-        """Checkpoint iteration `it` when it is due (collective: every process calls it).
+    def save(self, it: int, force: bool = False) -> None:
+        """Checkpoint iteration `it` when it is due or `force` (collective: every process calls it).
 
         The replay buffer and the task cursor are the same on every process (the episodes are gathered before
         they enter the buffer, and every process walks the one cursor, see nlac_jax/distributed.py), so they are
@@ -465,10 +473,10 @@ class NLACRun:
         saving refuses processes whose copies differ. A run may so resume on another number of processes.
         The buffer goes in as segment files (rl.buffer_segments): the transitions and episodes added since the
         previous checkpoint are the one new file, the older segments are the earlier steps' files."""
-        step, force = it + 1, it + 1 == self.loop.iterations
+        step, force = it + 1, force or it + 1 == self.loop.iterations
         if not self.checkpointer.due(step, force):
             return
-        buffer_index, new_files = self.buffer.checkpoint(f"replay_buffer/step_{step:08d}.jsonl.gz")
+        buffer_index, new_files = self.buffer.checkpoint(f"replay_buffer_step_{step:08d}.jsonl.gz")
         records = self.processes.allgather_objects(self._process_state(buffer_index))
         for r in records[1:]:  # every process holds every record, so all of them raise together
             for key in ("cursor", "buffer_sha256"):
@@ -485,18 +493,30 @@ class NLACRun:
 
 
 # ----------------------------------------------------------------------------- the run's files
-def finished_iterations(workdir: str) -> int | None:
+def latest_checkpoint_step(directory: str, processes=None) -> int | None:
+    """The newest finished checkpoint step in `directory` (None: none), decided ONCE by process 0 and broadcast.
+
+    Collective: every process calls it, unconditionally and in the same order. Process 0 reads the directory listing
+    (orbax's own test of a finalized step, no CheckpointManager: building one runs a barrier, and whether it ran
+    must never depend on what a process happened to see on the filesystem); the others take its answer, so "resume
+    or fresh, and from which step" cannot differ between processes (a slower process once saw the `checkpoints/`
+    directory a faster one had just created and ran one barrier more: orbax's "sync_global_devices name mismatch")."""
+    import orbax.checkpoint as ocp
+    from nlac_jax.distributed import Processes
+    processes = processes or Processes.current()
+    step = None
+    if processes.is_main:
+        steps = ocp.utils.checkpoint_steps(directory) if os.path.isdir(directory) else []
+        step = max(steps) if steps else None
+    if processes.count > 1:
+        step = processes.allgather_objects(step)[0]
+    return step
+
+
+def finished_iterations(workdir: str, processes=None) -> int | None:
     """Iterations the run in `workdir` has finished according to its latest checkpoint (the loop saves iteration
-    i under step i), or None when it has none. Reads the checkpoint directory's listing only (nothing is built)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
-    from nlac_jax import training
-    ckpt = training.Checkpointer(directory, keep=None, async_save=False)
-    try:
-        return ckpt.latest_step()
-    finally:
-        ckpt.close()
+    i under step i), or None when it has none. Collective, decided on process 0 (`latest_checkpoint_step`)."""
+    return latest_checkpoint_step(os.path.join(workdir, "checkpoints"), processes)
 
 
 def write_config_gin(workdir: str) -> str:
@@ -527,6 +547,14 @@ def _close_after_error(r: "NLACRun", writer: "MetricsWriter | None") -> None:
             log.warning("while closing after an error: %s: %s", type(e).__name__, " ".join(str(e).split())[:300])
 
 
+class Preempted(Exception):
+    """The run stopped early on SIGTERM, after saving iteration `iteration` (train.main exits EXIT_PREEMPTED)."""
+
+    def __init__(self, iteration: int):
+        super().__init__(f"stopped by SIGTERM after saving iteration {iteration}")
+        self.iteration = iteration
+
+
 def run(workdir: str) -> list[dict]:
     """Run (or resume) the gin-configured NLAC loop in `workdir`. Returns the metrics of this invocation ([] when
     the run had already finished every iteration: it says so in one line and builds nothing)."""
@@ -543,7 +571,8 @@ def run(workdir: str) -> list[dict]:
                   f"nothing to do (raise LoopConfig.iterations to continue it)")
         return []
     r = NLACRun(workdir)  # every start-up check passes before config.gin is (re)written
-    writer, closed = None, False
+    r.stop = interrupts.StopRequest.install()
+    writer, closed, preempted = None, False, None
     try:
         if main_proc:
             write_config_gin(r.workdir)
@@ -569,15 +598,20 @@ def run(workdir: str) -> list[dict]:
 
             m, dump = r.iteration(it, bars)
             bar.update(len(PHASES) - len(done_phases) + 1)
-            r.save(it)
+            # collective, every iteration: a SIGTERM on any process stops all of them here, after saving this one
+            stop = it + 1 < r.loop.iterations and r.stop.agreed(r.processes)
+            r.save(it, force=stop)
             if main_proc:
                 with open(os.path.join(r.workdir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
                     f.write(dump)
             writer.write(m)
             rows.append(m)
+            if stop:
+                preempted = it + 1
+                break
         bar.close()
         r.checkpointer.wait()
-        if r.loop.export_hf:
+        if r.loop.export_hf and preempted is None:
             from nlac_jax import training
             # every process: gathering θ's shards is collective; hf_io writes on process 0 only
             training.export_hf(os.path.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
@@ -587,8 +621,14 @@ def run(workdir: str) -> list[dict]:
         writer.close()
         closed = True
     finally:
+        r.stop.uninstall()
         if not closed:
             _close_after_error(r, writer)
+    if preempted is not None:
+        if main_proc:
+            print(f"{r.workdir}: stopped by SIGTERM after saving iteration {preempted} of {r.loop.iterations} "
+                  f"(checkpoint step {preempted}); rerun the same command to resume", flush=True)
+        raise Preempted(preempted)
     if main_proc and rows:
         print("\n" + summary_table(rows, eval_every=r.loop.eval_every))
         try:

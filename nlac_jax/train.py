@@ -197,8 +197,11 @@ def main(argv=None) -> int:
     load_gin(flags.gin_file, flags.gin_param)
     workdir = flags.workdir or default_workdir(flags.gin_file)
     check_writable_dir(workdir)
-    from nlac_jax import loop
-    loop.run(workdir)
+    from nlac_jax import interrupts, loop
+    try:
+        loop.run(workdir)
+    except loop.Preempted:  # saved, and said so in one line: rerunning the command resumes there
+        return interrupts.EXIT_PREEMPTED
     return 0
 
 

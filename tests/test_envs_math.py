@@ -272,7 +272,10 @@ def test_stuck_worker_is_killed_and_replaced():
         os.kill(w.proc.pid, signal.SIGSTOP)  # stuck inside one long C call: its own timer cannot fire
         t = time.perf_counter()
         assert pool.check('x^2+2x+1', '(x+1)^2', False, 0.3) == math_grading.GradeResult(False, 'timeout')
-        assert time.perf_counter() - t < 3.0 and w.proc.poll() is not None
+        # the 0.3 s budget is enforced by the pool's kill, not the worker's own timer: a stuck worker that was never
+        # killed would block this call forever (a hang guard of 60 s, far above the budget, cannot trip on a busy
+        # machine); the exit status says it was killed
+        assert time.perf_counter() - t < 60.0 and w.proc.poll() is not None
         assert pool.check('x^2+2x+1', '(x+1)^2', False, 30.0) == math_grading.GradeResult(True, 'ok')  # replacement
     finally:
         pool.shutdown()
@@ -298,10 +301,13 @@ def test_math_env_logs_one_short_line_per_timeout(caplog):
 
 
 def test_extraction_is_linear_on_hostile_text():
-    # each of these took 1.5-6 s before (quadratic regex backtracking / brace scanning)
-    for text in ['\n' * 16000, ' \n' * 8000, '\\boxed{' * 2285, 'answer' + ' ' * 15990 + 'x',
-                 'Answer: x' + ' ' * 15990 + 'y', '####' + '\n' * 15990]:
+    # at 16k characters each of these took 1.5-6 s before (quadratic regex backtracking / brace scanning); at 10x that
+    # length a quadratic scan takes minutes and a linear one milliseconds, so a 10 s guard separates them on any
+    # machine, however loaded
+    k = 10
+    for text in ['\n' * 16000 * k, ' \n' * 8000 * k, '\\boxed{' * 2285 * k, 'answer' + ' ' * 15990 * k + 'x',
+                 'Answer: x' + ' ' * 15990 * k + 'y', '####' + '\n' * 15990 * k]:
         t = time.perf_counter()
         extract_answer(text)
-        assert time.perf_counter() - t < 0.5, repr(text[:20])
+        assert time.perf_counter() - t < 10.0, repr(text[:20])
     assert extract_answer('Answer:\n  42\n') == '42'  # the answer may follow on the next line

@@ -239,15 +239,18 @@ def test_splits_stable(table):
     assert [t.id for t in test] == [t.id for t in TwentyQuestionsTaskSource().tasks('test')]
 
 
-def test_scripted_oracle_is_fast_on_long_questions(oracle, table):
-    # answering re-normalised the question once per object (~230 times): seconds for one long hostile question
-    import time
+def test_scripted_oracle_is_fast_on_long_questions(oracle, table, monkeypatch):
+    # answering re-normalised the question once per object (~230 times): seconds for one long hostile question.
+    # Counted, not timed: the long question is normalised a fixed few times, whatever the table's size.
+    from nlac_jax.envs import twenty_questions
     env = TwentyQuestionsEnv(oracle, max_action_chars=1_000_000)
     env.reset(Task('t', 'test', table.find('cat').to_payload()))
     question = 'Is it a ' + 'very ' * 40_000 + 'big cat?'
-    t = time.perf_counter()
+    long_calls, normalize = [], twenty_questions.normalize
+    monkeypatch.setattr(twenty_questions, 'normalize',
+                        lambda text: (long_calls.append(1) if len(text or '') > 100_000 else None, normalize(text))[1])
     r = env.step(question)
-    assert time.perf_counter() - t < 0.5
+    assert 1 <= len(long_calls) <= 4, len(long_calls)
     assert r.observation == CANT and not r.done
     assert oracle.answer(table.find('cat'), 'Is it a dog?') == NO  # naming another object still says No
     assert oracle.answer(table.find('cat'), 'Is it a kitten?') == YES
