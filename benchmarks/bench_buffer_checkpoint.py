@@ -201,7 +201,7 @@ def main(argv=None) -> int:
                 d = os.path.join(root, f"seg_{n}")
                 ckpt = training.Checkpointer(d, save_every=1, keep=2)
                 run = _Run(ckpt, buf, state)
-                files = os.path.join(d, "files", "replay_buffer")
+                files = os.path.join(d, training.checkpoint.FILES_DIR)
                 # the first save of a buffer that was never saved: all n encoded in save (the worst case)
                 row["first_block_s"] = timed(lambda: run.save(0))
                 row["first_disk_s"] = row["first_block_s"] + timed(ckpt.wait)

@@ -286,7 +286,7 @@ def test_every_reader_sees_the_transitions_that_were_added(scripted_transitions)
         got.state.append({"role": "user", "content": "x"})
         assert buf[0] == ts[0], name
 
-        index, files = buf.checkpoint("seg/1.jsonl.gz")
+        index, files = buf.checkpoint("seg_1.jsonl.gz")
         back = ReplayBuffer(capacity=1)
         back.load_checkpoint(json.loads(json.dumps(index)), files)
         assert list(back) == [_json_round_trip(t) for t in ts], name
@@ -410,8 +410,8 @@ def test_old_checkpoints_with_every_transition_in_the_loop_state_are_restored():
 def test_damaged_segments_are_refused_with_one_line_naming_the_file():
     from nlac_jax.rl.buffer_segments import SegmentError
     buf = filled(5)
-    index, files = buf.checkpoint("seg/7.jsonl.gz")
-    data = files["seg/7.jsonl.gz"]
+    index, files = buf.checkpoint("seg_7.jsonl.gz")
+    data = files["seg_7.jsonl.gz"]
     import gzip
     text = gzip.decompress(data).decode()
     bad = {
@@ -423,9 +423,9 @@ def test_damaged_segments_are_refused_with_one_line_naming_the_file():
     }
     for what, blob in bad.items():
         with pytest.raises(SegmentError) as e:
-            ReplayBuffer(1).load_checkpoint(index, {"seg/7.jsonl.gz": blob})
+            ReplayBuffer(1).load_checkpoint(index, {"seg_7.jsonl.gz": blob})
         msg = str(e.value)
-        assert msg.startswith("seg/7.jsonl.gz: ") and "\n" not in msg, (what, msg)
+        assert msg.startswith("seg_7.jsonl.gz: ") and "\n" not in msg, (what, msg)
 
 
 def test_chunks_encoded_as_transitions_enter_give_the_same_buffer_and_bytes():

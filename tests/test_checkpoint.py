@@ -390,37 +390,38 @@ def test_step_files_are_shared_verified_and_collected(setup, tmp_path, caplog):
     s = setup
     abstract = training.abstract_train_state(CFG, s["mesh_a"], s["opt"])
     state = training.create_train_state(CFG, s["mesh_a"], s["opt"], seed=6)
-    sha = {n: hashlib.sha256(n.encode() * 50).hexdigest() for n in ("seg/a", "seg/b", "seg/c")}
+    sha = {n: hashlib.sha256(n.encode() * 50).hexdigest() for n in ("seg_a", "seg_b", "seg_c")}
     data = {n: n.encode() * 50 for n in sha}
     files_dir = os.path.join(str(tmp_path), ckpt_lib.FILES_DIR)
     with training.Checkpointer(str(tmp_path), save_every=1, keep=2) as ckpt:
         assert ckpt.due(1) and not training.Checkpointer(str(tmp_path), save_every=2, keep=2).due(3)
-        ckpt.save(state, step=1, loop_state={"it": 1}, files={"seg/a": data["seg/a"]})
-        ckpt.save(state, step=2, loop_state={"it": 2}, files={"seg/a": sha["seg/a"], "seg/b": data["seg/b"]})
+        ckpt.save(state, step=1, loop_state={"it": 1}, files={"seg_a": data["seg_a"]})
+        ckpt.save(state, step=2, loop_state={"it": 2}, files={"seg_a": sha["seg_a"], "seg_b": data["seg_b"]})
         r = ckpt.restore(abstract)
-        assert r.step == 2 and r.files == {"seg/a": data["seg/a"], "seg/b": data["seg/b"]}
-        assert r.metadata["files"] == {"seg/a": sha["seg/a"], "seg/b": sha["seg/b"]}
-        # step 3 no longer needs seg/a; steps 2 and 3 are kept (keep=2), and step 2 still lists it
-        ckpt.save(state, step=3, loop_state={"it": 3}, files={"seg/b": sha["seg/b"], "seg/c": data["seg/c"]})
+        assert r.step == 2 and r.files == {"seg_a": data["seg_a"], "seg_b": data["seg_b"]}
+        assert r.metadata["files"] == {"seg_a": sha["seg_a"], "seg_b": sha["seg_b"]}
+        # step 3 no longer needs seg_a; steps 2 and 3 are kept (keep=2), and step 2 still lists it
+        ckpt.save(state, step=3, loop_state={"it": 3}, files={"seg_b": sha["seg_b"], "seg_c": data["seg_c"]})
         ckpt.wait()
-        assert sorted(ckpt_lib._list_files(files_dir)) == ["seg/a", "seg/b", "seg/c"]
-        ckpt.save(state, step=4, loop_state={"it": 4}, files={"seg/c": sha["seg/c"]})
-        ckpt.wait()  # steps 3, 4 kept: seg/a is listed by no kept step
-        assert ckpt.all_steps() == [3, 4] and ckpt_lib._list_files(files_dir) == ["seg/b", "seg/c"]
-        with pytest.raises(ValueError, match="checkpoint file name '../x'"):
-            ckpt.save(state, step=5, files={"../x": b"no"})
+        assert sorted(ckpt_lib._list_files(files_dir)) == ["seg_a", "seg_b", "seg_c"]
+        ckpt.save(state, step=4, loop_state={"it": 4}, files={"seg_c": sha["seg_c"]})
+        ckpt.wait()  # steps 3, 4 kept: seg_a is listed by no kept step
+        assert ckpt.all_steps() == [3, 4] and ckpt_lib._list_files(files_dir) == ["seg_b", "seg_c"]
+        for bad in ("../x", "a/b", ".."):
+            with pytest.raises(ValueError, match="checkpoint file name"):
+                ckpt.save(state, step=5, files={bad: b"no"})
 
-    # damage seg/c (listed by steps 3 and 4): both fall back... to nothing; damage only what step 4 adds instead
+    # a damaged file fails the steps that list it: seg_d, new in step 5, sends the restore back to step 4
     with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
-        ckpt.save(state, step=5, loop_state={"it": 5}, files={"seg/c": sha["seg/c"], "seg/d": b"d" * 100})
-    with open(os.path.join(files_dir, "seg", "d"), "r+b") as f:
+        ckpt.save(state, step=5, loop_state={"it": 5}, files={"seg_c": sha["seg_c"], "seg_d": b"d" * 100})
+    with open(os.path.join(files_dir, "seg_d"), "r+b") as f:
         f.write(b"x")
     with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
         caplog.clear()
         r = ckpt.restore(abstract)
-        _one_warning(caplog, "step 5 is corrupt (file seg/d does not match its checksum)", "restored step 4")
-        assert r.step == 4 and r.files == {"seg/c": data["seg/c"]}
-    os.remove(os.path.join(files_dir, "seg", "c"))
+        _one_warning(caplog, "step 5 is corrupt (file seg_d does not match its checksum)", "restored step 4")
+        assert r.step == 4 and r.files == {"seg_c": data["seg_c"]}
+    os.remove(os.path.join(files_dir, "seg_c"))
     with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
-        with pytest.raises(training.CheckpointRestoreError, match="is missing file seg/c"):
+        with pytest.raises(training.CheckpointRestoreError, match="is missing file seg_c"):
             ckpt.restore(abstract)

@@ -2,7 +2,7 @@
 
     ckpt = Checkpointer(directory, fingerprint=run_fingerprint(cfg, env="toy"))   # gin: Checkpointer.*
     ckpt.save(state, metadata={...}, loop_state={...})   # saves when step % save_every == 0 (or force=True)
-    ckpt.save(state, ..., files={"a/new.gz": b"...", "a/old.gz": "<sha256 of a file an earlier step wrote>"})
+    ckpt.save(state, ..., files={"new.gz": b"...", "old.gz": "<sha256 of a file an earlier step wrote>"})
     r = ckpt.restore(abstract_train_state(cfg, mesh, opt))   # onto ANY mesh: the abstract state carries shardings
     r.state, r.metadata, r.loop_state, r.step, r.files   # r.files: name -> bytes, verified
     export_hf(out_dir, cfg, state, which="target")       # θ̄ (or "params": θ) as an HF directory
@@ -57,7 +57,7 @@ from nlac_jax.training.state import TrainState
 
 ITEMS = ("state", "metadata", "loop_state")
 FILES_DIR = "files"  # under the checkpoint directory; not a step name, so orbax ignores it
-_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # one flat directory: a listing is one call on any filesystem
 # one line per event (a logged line, not a warnings.warn: that adds the source line and shows once per call site)
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,8 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _list_files(root: str) -> list[str]:
-    """Paths relative to `root` of every file below it ([] when it does not exist)."""
-    out = []
-    for d, _, names in os.walk(root):
-        out.extend(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/") for n in names)
-    return sorted(out)
+    """The names of the files in directory `root` ([] when it does not exist)."""
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
 
 
 def _remove(path: str) -> None:
@@ -160,12 +157,12 @@ def _sha256(data: bytes) -> str:
 
 
 def _checked_files(files) -> dict:
-    """name -> bytes | sha256 hex, with each name a relative path of plain characters (no '..')."""
+    """name -> bytes | sha256 hex, with each name a plain file name (letters, digits, '_', '-', '.')."""
     files = dict(files or {})
     for name, v in files.items():
-        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name.split("/"):
-            raise ValueError(f"checkpoint file name {name!r}: expected a relative path of letters, digits, '_', '-', "
-                             f"'.' and '/'")
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"checkpoint file name {name!r}: expected a file name of letters, digits, '_', '-' "
+                             f"and '.'")
         if not isinstance(v, (bytes, str)):
             raise TypeError(f"checkpoint file {name!r}: expected bytes (write it) or the sha256 of a file an earlier "
                             f"step wrote, got {type(v).__name__}")
@@ -353,7 +350,7 @@ class Checkpointer:
              step: int | None = None, force: bool = False, files: dict | None = None) -> bool:
         """Save `state` (+ JSON `metadata`, + JSON `loop_state`, + `files`) under `step` (default: int(state.step)).
 
-        files: the byte files this step needs, name (a relative path) -> bytes for a file to write now (the same on
+        files: the byte files this step needs, name (a plain file name) -> bytes for a file to write now (the same on
         every process; process 0 writes it) or -> the sha256 hex of a file an earlier step wrote. Every process
         must pass the same names and contents. Returns whether a checkpoint was started (False when the interval
         says no and not `force`)."""
