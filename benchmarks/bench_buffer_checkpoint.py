@@ -21,6 +21,15 @@ nothing) in the same process:
     sampling and training take minutes), then the save; "encoding" is that background work, timed on its own.
 "blocking" is the time the loop waits in save(); "until on disk" adds orbax's background write and the read-back
 verification (Checkpointer.wait). Bytes are the files a save writes for the loop state and the buffer.
+
+Measured 2026-12-01 (`--json_sizes 10000 --tasks 24`, 2 CPUs with avx2, load average 15-22 from other jobs: every
+time is several times what a quiet machine gives; the bytes are not affected):
+  10,000 transitions (1,473 episodes): JSON path 540 MB per save, 175 s blocking; segments: first save 1.7 MB (6.9 s
+    blocking, all 10,000 encoded in save), steady save of 8,694 new transitions 1.49 MB (0.28%), 0.31 s blocking,
+    3.7 s encoding in the background; restore 5.6 s.
+  100,000 (14,725): JSON path 5,399 MB per save (computed; ~29 min blocking extrapolated); segments: first save
+    16.7 MB (44 s blocking), steady save of 8,700 new transitions 1.49 MB (0.03%), 0.37 s blocking, 3.2 s encoding
+    in the background, 18.2 MB of segments on disk in all; restore 26 s.
 """
 
 from __future__ import annotations
