@@ -200,20 +200,20 @@ def add_gin_file_flags(p: argparse.ArgumentParser, file_example: str, param_exam
 
 
 def require_file(path: str, flag: str) -> str:
-    """`path` if it is an existing file, else a UsageError naming the flag and the path."""
-    import os
-    if not os.path.exists(path):
+    """`path` (local or gs://) if it is an existing file, else a UsageError naming the flag and the path."""
+    from nlac_jax import fs
+    if not fs.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise UsageError(f"{flag} {path}: not a file")
     return path
 
 
 def require_dir(path: str, flag: str) -> str:
-    """`path` if it is an existing directory, else a UsageError naming the flag and the path."""
-    import os
-    if not os.path.exists(path):
-        raise UsageError(f"{flag} {path}: no such directory")
-    if not os.path.isdir(path):
+    """`path` (local or gs://) if it is an existing directory, else a UsageError naming the flag and the path."""
+    from nlac_jax import fs
+    if not fs.isdir(path):
+        if fs.is_remote(path) or not fs.exists(path):
+            raise UsageError(f"{flag} {path}: no such directory")
         raise UsageError(f"{flag} {path}: not a directory")
     return path

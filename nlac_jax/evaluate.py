@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
-from nlac_jax import cli
+from nlac_jax import cli, fs
 
 PROG = "python -m nlac_jax.evaluate"
 
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
     from nlac_jax import distributed
     distributed.initialize(requested=flags.multihost)
     train.load_gin(flags.gin_file, flags.gin_param)
-    workdir = flags.workdir or os.path.join(os.path.dirname(os.path.abspath(flags.checkpoint)), "eval")
+    workdir = flags.workdir or fs.join(fs.dirname(fs.abspath(flags.checkpoint)), "eval")
     train.check_writable_dir(workdir)
     train.enable_compilation_cache(flags.compilation_cache)
     from nlac_jax import loop
@@ -68,8 +67,7 @@ def main(argv=None) -> int:
         return 0
     line = json.dumps(m, sort_keys=True)
     print(line)
-    with open(os.path.join(r.workdir, "eval.json"), "w") as f:
-        f.write(line + "\n")
+    fs.write_atomic(fs.join(r.workdir, "eval.json"), line + "\n")
     return 0
 
 

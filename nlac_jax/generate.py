@@ -15,11 +15,10 @@ a tokenizer that does not fit the model); 1 any other error; --debug shows the f
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-from nlac_jax import cli
+from nlac_jax import cli, fs
 
 PROG = "python -m nlac_jax.generate"
 
@@ -28,8 +27,7 @@ def _read_prompts(args) -> list:
     if args.prompt is not None:
         return [args.prompt]
     path = cli.require_file(args.prompt_file, "--prompt_file")
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
+    raw = fs.read_text(path)
     try:
         if path.endswith(".json"):
             entries = json.loads(raw)
@@ -96,12 +94,13 @@ def main(argv=None) -> list[dict]:
     for one-line errors)."""
     args = parse_flags(argv)
     cli.require_dir(args.model_dir, "--model_dir")
-    if not os.path.isfile(os.path.join(args.model_dir, "tokenizer.json")):  # load_pretrained's tokenizer rule
+    if not fs.isfile(fs.join(args.model_dir, "tokenizer.json")):  # load_pretrained's tokenizer rule
         raise cli.UsageError(f"--model_dir {args.model_dir}: no tokenizer.json; this CLI needs the tokenizer to "
                              f"encode text prompts")
     if args.output_json:  # fail now, not after the generation
-        out_dir = os.path.dirname(os.path.abspath(args.output_json))
-        cli.require_dir(out_dir, "--output_json (its directory)")
+        out_dir = fs.dirname(fs.abspath(args.output_json))
+        if not fs.is_remote(out_dir):  # a gs:// prefix exists as soon as the file is written
+            cli.require_dir(out_dir, "--output_json (its directory)")
     entries = _read_prompts(args)
 
     from nlac_jax import models, sampling, text
@@ -133,9 +132,7 @@ def main(argv=None) -> list[dict]:
         print(f"--- [{b}] ({out.stop_reason[b]}, {len(ids)} tokens)\n{out.texts[b]}")
     print(f"--- {sum(len(r['ids']) for r in records)} tokens in {dt:.2f}s (including compilation)", file=sys.stderr)
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        fs.write_atomic(args.output_json, json.dumps(records, indent=1, ensure_ascii=False) + "\n")
     return records
 
 

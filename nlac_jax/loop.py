@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
 import gin
 
-from nlac_jax import compilations, interrupts
+from nlac_jax import compilations, fs, interrupts
 # At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.*,
 # ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
 # files are parsed).
@@ -223,8 +222,8 @@ class NLACRun:
         from nlac_jax.roles import RoleSampling
 
         self.stop: interrupts.StopRequest | None = None  # run() installs the SIGTERM flag
-        self.workdir = os.path.abspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        self.workdir = fs.abspath(workdir)  # a gs:// URL stays one (no os.path on it)
+        fs.makedirs(self.workdir)
         # several processes (a TPU pod): the envs are divided, everything else is the same on every process
         # (nlac_jax/distributed.py); one process: every exchange is local
         self.processes = Processes.current()
@@ -256,7 +255,7 @@ class NLACRun:
             log.info("%s", footprint.param_class_table(self.cfg, self.mesh))
         # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
         fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
-        self.checkpointer = training.Checkpointer(os.path.join(self.workdir, "checkpoints"),
+        self.checkpointer = training.Checkpointer(fs.join(self.workdir, "checkpoints"),
                                                   save_every=self.loop.checkpoint_every,
                                                   keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         self.holder = _Holder()
@@ -271,7 +270,7 @@ class NLACRun:
         have_ckpt = latest is not None
         if checkpoint is not None:
             have_ckpt = True  # a named checkpoint with no step in it is an error (CheckpointRestoreError), not a fresh start
-            if os.path.abspath(checkpoint) != self.checkpointer.directory:
+            if fs.abspath(checkpoint) != self.checkpointer.directory:
                 self.checkpointer = training.Checkpointer(checkpoint, save_every=self.loop.checkpoint_every,
                                                           keep=self.loop.keep_checkpoints, fingerprint=fingerprint)
         if have_ckpt:
@@ -506,7 +505,7 @@ def latest_checkpoint_step(directory: str, processes=None) -> int | None:
     processes = processes or Processes.current()
     step = None
     if processes.is_main:
-        steps = ocp.utils.checkpoint_steps(directory) if os.path.isdir(directory) else []
+        steps = ocp.utils.checkpoint_steps(directory) if fs.isdir(directory) else []
         step = max(steps) if steps else None
     if processes.count > 1:
         step = processes.allgather_objects(step)[0]
@@ -516,22 +515,15 @@ def latest_checkpoint_step(directory: str, processes=None) -> int | None:
 def finished_iterations(workdir: str, processes=None) -> int | None:
     """Iterations the run in `workdir` has finished according to its latest checkpoint (the loop saves iteration
     i under step i), or None when it has none. Collective, decided on process 0 (`latest_checkpoint_step`)."""
-    return latest_checkpoint_step(os.path.join(workdir, "checkpoints"), processes)
+    return latest_checkpoint_step(fs.join(workdir, "checkpoints"), processes)
 
 
 def write_config_gin(workdir: str) -> str:
     """Write the operative gin config to workdir/config.gin atomically (a temporary file renamed over it), so an
     interrupted or failing write never leaves a truncated or foreign config.gin. Returns the path."""
-    path = os.path.join(workdir, "config.gin")
+    path = fs.join(workdir, "config.gin")
     text = gin.config_str()  # before touching the file: a failure here leaves the old one as it was
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    fs.write_atomic(path, text)
     return path
 
 
@@ -556,8 +548,20 @@ class Preempted(Exception):
 
 
 def run(workdir: str) -> list[dict]:
-    """Run (or resume) the gin-configured NLAC loop in `workdir`. Returns the metrics of this invocation ([] when
-    the run had already finished every iteration: it says so in one line and builds nothing)."""
+    """Run (or resume) the gin-configured NLAC loop in `workdir` (local or gs://). Returns the metrics of this
+    invocation ([] when the run had already finished every iteration: it says so in one line and builds nothing).
+    One run per workdir: while this one runs, another started on `workdir` refuses at start-up (run_lock)."""
+    from nlac_jax import run_lock
+    from nlac_jax.distributed import Processes
+    lock = run_lock.acquire(workdir, Processes.current())  # decided on process 0, broadcast
+    try:
+        return _run(workdir)
+    finally:
+        lock.release()
+
+
+def _run(workdir: str) -> list[dict]:
+    """`run` once the workdir's lock is held."""
     import jax
     from tqdm import tqdm
 
@@ -567,7 +571,7 @@ def run(workdir: str) -> list[dict]:
     done = finished_iterations(workdir)
     if done is not None and done >= iterations:
         if main_proc:
-            print(f"{os.path.abspath(workdir)}: the run is finished ({done} of {iterations} iterations done); "
+            print(f"{fs.abspath(workdir)}: the run is finished ({done} of {iterations} iterations done); "
                   f"nothing to do (raise LoopConfig.iterations to continue it)")
         return []
     r = NLACRun(workdir)  # every start-up check passes before config.gin is (re)written
@@ -578,7 +582,7 @@ def run(workdir: str) -> list[dict]:
             write_config_gin(r.workdir)
         writer = MetricsWriter(r.workdir, r.start_iteration, enabled=main_proc)
         if main_proc:
-            os.makedirs(os.path.join(r.workdir, "examples"), exist_ok=True)
+            fs.makedirs(fs.join(r.workdir, "examples"))
         rows = []
         if r.loop.eval_before_training and r.start_iteration == 0:
             m0 = {"iteration": 0, **r.evaluate(-1)}
@@ -602,8 +606,7 @@ def run(workdir: str) -> list[dict]:
             stop = it + 1 < r.loop.iterations and r.stop.agreed(r.processes)
             r.save(it, force=stop)
             if main_proc:
-                with open(os.path.join(r.workdir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
-                    f.write(dump)
+                fs.write_atomic(fs.join(r.workdir, "examples", f"iter_{it + 1:04d}.txt"), dump)
             writer.write(m)
             rows.append(m)
             if stop:
@@ -613,10 +616,11 @@ def run(workdir: str) -> list[dict]:
         r.checkpointer.wait()
         if r.loop.export_hf and preempted is None:
             from nlac_jax import training
+            from nlac_jax.models import hf_io
             # every process: gathering θ's shards is collective; hf_io writes on process 0 only
-            training.export_hf(os.path.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
+            training.export_hf(fs.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
             if main_proc:
-                r.tokenizer.save_pretrained(os.path.join(r.workdir, "hf_export"))
+                hf_io.save_tokenizer(r.tokenizer, fs.join(r.workdir, "hf_export"))
         r.checkpointer.close()
         writer.close()
         closed = True
@@ -637,6 +641,6 @@ def run(workdir: str) -> list[dict]:
             print(f"\nlearning curves: {png}")
         except Exception as e:  # plotting must never fail a finished run
             log.warning("plotting failed: %s", e)
-        print(f"metrics: {writer.path}\nexamples: {os.path.join(r.workdir, 'examples')}\n"
+        print(f"metrics: {writer.path}\nexamples: {fs.join(r.workdir, 'examples')}\n"
               f"wall time: {time.perf_counter() - t_start:.1f} s")
     return rows

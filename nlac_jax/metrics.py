@@ -7,9 +7,11 @@ Rows are flat dicts: {"iteration": i, "<phase>/<name>": number, ...} (see loop.N
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
+
+from nlac_jax import fs
 
 
 class MetricsWriter:
@@ -18,20 +20,21 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, start_iteration: int, enabled: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = fs.join(workdir, "metrics.jsonl")
         self.tb = None
         if not enabled:
             return
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                # a fresh start (start_iteration 0) re-runs everything, the evaluation before training included
-                keep = [ln for ln in f if ln.strip() and start_iteration > 0
-                        and json.loads(ln).get("iteration", 0) <= start_iteration]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+        if fs.exists(self.path):
+            # a fresh start (start_iteration 0) re-runs everything, the evaluation before training included
+            keep = [ln for ln in fs.read_text(self.path).split("\n") if ln.strip()
+                    and start_iteration > 0 and json.loads(ln).get("iteration", 0) <= start_iteration]
+            fs.write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         try:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+            from tensorboardX import SummaryWriter, record_writer
+            # tensorboardX's own gs:// writer is google-cloud-storage with its credential search: events go through
+            # the one filesystem layer instead
+            record_writer.register_writer_factory("gs", _EventFileFactory())
+            self.tb = SummaryWriter(fs.join(workdir, "tb"))
         except ImportError:  # optional
             self.tb = None
 
@@ -40,8 +43,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean, sort_keys=True) + "\n")
+        fs.append_text(self.path, json.dumps(clean, sort_keys=True) + "\n")
         if self.tb is not None:
             for k, v in m.items():
                 if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(v):
@@ -51,6 +53,33 @@ class MetricsWriter:
     def close(self):
         if self.tb is not None:
             self.tb.close()
+
+
+class _EventFile:
+    """A TensorBoard event file on gs://: the events so far, uploaded whole at every flush (GCS has no append; a
+    run writes one small row per iteration)."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        fs.write_atomic(self.path, self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _EventFileFactory:
+    """tensorboardX's writer-factory interface (record_writer.register_writer_factory) over nlac_jax.fs."""
+
+    def open(self, path: str) -> _EventFile:
+        return _EventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        fs.makedirs(path)
 
 
 SUMMARY_KEYS = (("collect/success_rate", "train success"), ("collect/mean_return", "train return"),

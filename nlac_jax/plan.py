@@ -160,7 +160,7 @@ def abstract_batch(mesh, batch: int, length: int) -> dict:
 
 # the token-batch contract's dtypes (docs/ARCHITECTURE.md; training.step.BATCH_KEYS in this order)
 _BATCH_DTYPE = {"input_ids": "int32", "attention_mask": "int32", "positions": "int32", "loss_mask": "float32",
-                "kind": "int32", "weight": "float32"}
+                "kind": "int32", "weight": "float32", "denom_tokens": "float32", "denom_examples": "float32"}
 
 
 def sampler_args(cfg, mesh, params, batch: int, prompt: int):

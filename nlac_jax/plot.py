@@ -11,12 +11,12 @@ metrics line, an unwritable --out); --debug shows the full traceback instead of 
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import sys
 
-from nlac_jax import cli
+from nlac_jax import cli, fs
 
 PROG = "python -m nlac_jax.plot"
 
@@ -32,21 +32,20 @@ PANELS = (
 
 def read_metrics(workdir: str) -> list[dict]:
     """The rows of `workdir`/metrics.jsonl (FileNotFoundError naming the file; ValueError naming a bad line)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    path = fs.join(workdir, "metrics.jsonl")
+    if not fs.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics file (run nlac_jax.train with --workdir {workdir} first)")
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or "iteration" not in row:
-                raise ValueError(f"{path} line {n}: expected a JSON object with an 'iteration'")
-            rows.append(row)
+    for n, line in enumerate(fs.read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or "iteration" not in row:
+            raise ValueError(f"{path} line {n}: expected a JSON object with an 'iteration'")
+        rows.append(row)
     return rows
 
 
@@ -57,7 +56,7 @@ def plot_workdir(workdir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(workdir)
-    out = out or os.path.join(workdir, "learning_curves.png")
+    out = out or fs.join(workdir, "learning_curves.png")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for k in keys:
@@ -70,10 +69,12 @@ def plot_workdir(workdir: str, out: str | None = None) -> str:
         ax.set_xlabel("iteration")
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.suptitle(fs.basename(fs.abspath(workdir)))
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    fs.write_atomic(out, png.getvalue())
     return out
 
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     """The plot CLI (see the module docstring); errors propagate (run through `cli.run` for one-line errors)."""
     a = build_parser().parse_args(argv)
     cli.require_dir(a.workdir, "--workdir")
-    if not os.path.isfile(os.path.join(a.workdir, "metrics.jsonl")):
+    if not fs.isfile(fs.join(a.workdir, "metrics.jsonl")):
         raise cli.UsageError(f"--workdir {a.workdir}: no metrics.jsonl (run nlac_jax.train with --workdir "
                              f"{a.workdir} first)")
     print(plot_workdir(a.workdir, a.out))

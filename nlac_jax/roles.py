@@ -100,13 +100,17 @@ class RoleSampling:
       max_new_tokens: role -> generation budget in tokens (same fallback). Prompts are fitted to the context
         minus these budgets, so they are also the longest target a role's prompt is trained with.
       top_p: nucleus sampling for every role (1 = off).
-      eval_temperature: the policy's temperature during held-out evaluation (0 = greedy); see :meth:`evaluation`.
+      eval_temperature: the policy's temperature during held-out evaluation (0 = greedy); None (default) = its
+        sampling temperature ``temperatures['policy']``, so the policy whose success is reported is the one the
+        critic learns the value of (it is trained on that policy's actions and bootstraps from its samples).
+        Greedy decoding of a sampled policy reports its mode, a different policy; set 0 to measure that.
+        See :meth:`evaluation`.
     """
 
     temperatures: dict = dataclasses.field(default_factory=_default_temperatures)
     max_new_tokens: dict = dataclasses.field(default_factory=_default_max_new_tokens)
     top_p: float = 1.0
-    eval_temperature: float = 0.0
+    eval_temperature: float | None = None
 
     def __post_init__(self):
         # refused at start-up by field, role and value (a NaN temperature samples garbage, hours into a run)
@@ -127,9 +131,12 @@ class RoleSampling:
                     raise ValueError(f"RoleSampling.{field}[{role!r}] = {v!r}: expected {want}")
         for name, want, ok in (
             ("top_p", "a number in (0, 1] (1 = off)", lambda v: 0.0 < v <= 1.0),
-            ("eval_temperature", "a finite number >= 0 (0 = greedy)", lambda v: v >= 0.0),
+            ("eval_temperature", "a finite number >= 0 (0 = greedy) or None (the policy's temperature)",
+             lambda v: v >= 0.0),
         ):
             v = getattr(self, name)
+            if name == "eval_temperature" and v is None:
+                continue
             if not _is_real(v):
                 raise TypeError(f"RoleSampling.{name} = {v!r}: expected {want}")
             if not (math.isfinite(v) and ok(v)):
@@ -144,13 +151,15 @@ class RoleSampling:
         return int(self.max_new_tokens[role] if role in self.max_new_tokens else self.max_new_tokens["policy"])
 
     def evaluation(self) -> "RoleSampling":
-        """The settings for held-out evaluation: the policy at ``eval_temperature``, every other role unchanged.
+        """The settings for held-out evaluation: the policy at ``eval_temperature`` (None: at its sampling
+        temperature, i.e. the policy the critic evaluates), every other role unchanged.
 
         Every role's temperature is written out first, so roles that fell back to the 'policy' entry keep the
         training value instead of following the policy to ``eval_temperature``.
         """
         temps = {r: self.temperature(r) for r in CHAT_ROLES}
-        temps["policy"] = float(self.eval_temperature)
+        if self.eval_temperature is not None:
+            temps["policy"] = float(self.eval_temperature)
         return dataclasses.replace(self, temperatures=temps)
 
 

@@ -147,6 +147,8 @@ BATCH_LOGICAL_AXES = {
     "loss_mask": ("batch", "length"),
     "kind": ("batch",),
     "weight": ("batch",),
+    "denom_tokens": ("batch",),
+    "denom_examples": ("batch",),
 }
 
 

@@ -31,12 +31,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
-    """Load the tokenizer stored in a local model directory (HF layout), never touching the network.
+    """Load the tokenizer stored in a model directory (HF layout, local or gs://), never touching the hub.
 
     Returns a `transformers.PreTrainedTokenizerFast` (transformers 5: `TokenizersBackend`).
     Raises FileNotFoundError naming `model_dir` if it holds no tokenizer files.
     """
     model_dir = os.fspath(model_dir)
+    from nlac_jax import fs
+    if fs.is_remote(model_dir):  # transformers reads local files only: copy the directory's small files once
+        return load_tokenizer(fs.local_copy_of_small_files(model_dir))
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
     present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]
@@ -407,6 +410,10 @@ class PackedBatch:
     loss_mask      [B, T] float32  1 where input_ids[b, t] is a target token (predicted from position t-1)
     kind           [B]    int32
     weight         [B]    float32  0 on dummy rows
+    denom_tokens   [B]    float32  the loss denominators of the row's kind (training/loss.py): target tokens,
+    denom_examples [B]    float32  and examples with targets, of that kind per batch; this batch's own counts
+                                   from `pack_examples`, the mean over the iteration's batches from
+                                   `pack_train_batches` (`share_loss_denominators`)
     num_examples:   rows holding real examples (the first num_examples rows; the rest are dummy rows)
     num_truncated:  examples whose prompt was left-truncated to fit max_len (only with truncate=True)
     tokens_dropped: prompt tokens removed by that truncation, in total
@@ -418,11 +425,20 @@ class PackedBatch:
     loss_mask: np.ndarray
     kind: np.ndarray
     weight: np.ndarray
+    denom_tokens: np.ndarray | None = None  # None: set from the batch itself in __post_init__
+    denom_examples: np.ndarray | None = None
     num_examples: int = 0
     num_truncated: int = 0
     tokens_dropped: int = 0
 
-    ARRAY_FIELDS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight")
+    ARRAY_FIELDS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight", "denom_tokens",
+                    "denom_examples")
+
+    def __post_init__(self):
+        if self.denom_tokens is None or self.denom_examples is None:  # a batch on its own is its own iteration
+            tok, ex = row_denominators(kind_counts(self.loss_mask, self.kind), self.kind)
+            object.__setattr__(self, "denom_tokens", tok)
+            object.__setattr__(self, "denom_examples", ex)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -435,8 +451,37 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        """The six arrays as a dict (what the jitted train step takes)."""
+        """The arrays as a dict (what the jitted train step takes)."""
         return {k: getattr(self, k) for k in self.ARRAY_FIELDS}
+
+
+def kind_counts(loss_mask: np.ndarray, kind: np.ndarray) -> np.ndarray:
+    """[2, 2] float64 counts of a token batch, as the loss counts them (loss_mask[:, 0] predicts nothing):
+    [k, 0] = target tokens of kind k, [k, 1] = rows of kind k with at least one target."""
+    n_b = np.asarray(loss_mask, np.float64)[:, 1:].sum(axis=1)
+    kind = np.asarray(kind)
+    out = np.zeros((2, 2))
+    for k in (KIND_CRITIC, KIND_POLICY):
+        out[k] = (n_b[kind == k].sum(), np.count_nonzero(n_b[kind == k] > 0))
+    return out
+
+
+def row_denominators(counts: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(denom_tokens [B], denom_examples [B]) float32: each row gets its kind's entries of ``counts`` [2, 2]."""
+    kind = np.asarray(kind)
+    return counts[kind, 0].astype(np.float32), counts[kind, 1].astype(np.float32)
+
+
+def share_loss_denominators(batches: Sequence[PackedBatch]) -> list[PackedBatch]:
+    """The batches with shared loss denominators: per kind, the mean over ``batches`` of the target tokens
+    (examples) of that kind per batch. Each kind's loss in a batch is then Σ (weighted NLL of its rows) / that
+    mean, so an example's weight is fixed for the iteration whatever its batch holds, and the batches' losses
+    average to the per-token (per-example) mean over all of them (training/loss.py)."""
+    if not batches:
+        return []
+    counts = sum(kind_counts(b.loss_mask, b.kind) for b in batches) / len(batches)
+    return [dataclasses.replace(b, **dict(zip(("denom_tokens", "denom_examples"), row_denominators(counts, b.kind))))
+            for b in batches]
 
 
 def pack_examples(
@@ -549,7 +594,8 @@ def pack_train_batches(
     token), so only a target longer than the sampler could have written (e.g. a terminal summary that quotes a long
     final observation) can overflow max_len: such examples are dropped and counted (train/dropped_examples), never
     cut. The kept examples are shuffled with `rng`. train_steps=None: one pass (ceil(n / batch_size) batches, the
-    last padded with dummy rows); an integer: that many batches cycling through the shuffled examples.
+    last padded with dummy rows); an integer: that many batches cycling through the shuffled examples. All batches
+    share the iteration's loss denominators (`share_loss_denominators`).
     Metrics: train/examples (n kept), train/updates_per_target (example rows used / n), train/dropped_examples.
     """
     kept = [x for x in examples if len(x.prompt_ids) + len(x.target_ids) <= max_len]
@@ -563,6 +609,7 @@ def pack_train_batches(
         else:
             chunks = [[items[(s * B + j) % n] for j in range(min(B, n))] for s in range(train_steps)]
         batches = [pack_examples(c, max_len, pad_id=pad_id, batch_size=B) for c in chunks]
+        batches = share_loss_denominators(batches)  # an example's loss weight must not depend on its batch's mix
     used = sum(b.num_examples for b in batches)
     return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
                      "train/dropped_examples": len(examples) - n}

@@ -176,7 +176,8 @@ def default_workdir(gin_files) -> str:
 def check_writable_dir(path: str, flag: str = "--workdir") -> None:
     """Create `path` if needed and check that files can be written in it (UsageError naming the flag otherwise);
     remote paths (scheme://) are left to the code that writes them."""
-    if "://" in path:
+    from nlac_jax import fs
+    if fs.is_remote(path):
         return
     try:
         os.makedirs(path, exist_ok=True)

@@ -274,12 +274,14 @@ def test_every_reader_sees_the_transitions_that_were_added(scripted_transitions)
         assert [buf[i] for i in range(len(ts))] == ts and buf[-1] == ts[-1], name
         idx = buf.sample_indices(min(5, len(ts)), 3)
         assert buf.sample(min(5, len(ts)), 3) == [ts[int(i)] for i in idx], name
-        # one stored episode per played episode (a new one starts at each episode's first transition)
+        # at most one stored episode per played episode (a new one starts at an episode's first transition,
+        # unless its states are prefixes of the one before: equal transcripts are stored once), each message once
         firsts = sum(1 for i, t in enumerate(ts) if i == 0 or t.state != ts[i - 1].next_state)
-        assert buf.num_episodes == firsts, name
+        assert 1 <= buf.num_episodes <= firsts, name
         held = sum(len(m) for m in buf._episodes.values())
-        assert held == sum(len(t.next_state or t.state) for i, t in enumerate(ts)
+        assert held <= sum(len(t.next_state or t.state) for i, t in enumerate(ts)
                            if i + 1 == len(ts) or ts[i + 1].state != t.next_state), name
+        assert held < sum(len(t.state) + len(t.next_state or []) for t in ts), name
         # a reader may change what it got: the buffer's copy stays as it was
         got = buf[0]
         got.state[0]["content"] = "changed"

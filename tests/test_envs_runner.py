@@ -201,9 +201,12 @@ def test_runner_turns_env_exceptions_into_error_episodes(caplog):
     ok = [eps[i] for i in (0, 3, 4)]
     assert all(e.success and not e.env_exceptions for e in ok)
     failed = eps[1]  # t1: step raised
-    assert failed.env_exceptions == 1 and failed.truncated and not failed.success and failed.length == 2
+    assert failed.env_exceptions == 1 and not failed.success and failed.length == 2
     last = failed.transitions[-1]
-    assert last.info['env_error'] and last.info['truncated'] and last.done is False
+    # terminal, as its text says ("the episode has ended"): no critic bootstraps a next action from a dead state
+    assert last.info['env_error'] and last.done is True and last.info['success'] is False and last.reward == 0.0
+    assert not failed.truncated and 'truncated' not in last.info  # truncated = cut by the turn limit only
+    assert [t.done for t in failed.transitions] == [False, True]
     assert last.info['env_exception'].startswith('RecursionError: maximum recursion')
     assert len(last.info['env_exception']) < 300  # the 5000-character message is cut
     assert last.next_state[-1]['content'].startswith('Error: the environment failed on this action')

@@ -104,7 +104,9 @@ def test_episode_hits_question_limit(table, oracle):
     rs = play(env, Task('t', 'test', table.find('apple').to_payload()), ['Is it alive?'] * 25)
     assert len(rs) == 20 and rs[-1].done and not rs[-1].info['success']
     assert sum(r.reward for r in rs) == -20
-    assert 'apple' in rs[-1].observation  # the final observation reveals the object
+    # the lost game never shows the agent the object: only info (logs) names it
+    assert 'apple' not in rs[-1].observation.lower() and rs[-1].info['object'] == 'apple'
+    assert rs[-1].observation.endswith('You have used all 20 questions.')
     # the 20th question may still be the right guess: that earns 0 and success
     rs = play(env, Task('t', 'test', table.find('apple').to_payload()), ['Is it alive?'] * 19 + ['An apple?'])
     assert len(rs) == 20 and rs[-1].info['success'] and sum(r.reward for r in rs) == -19

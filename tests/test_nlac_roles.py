@@ -162,6 +162,21 @@ class OneStep(EnvBase):
         return StepResult("Correct!", 1.0, True, {"success": True})
 
 
+def test_by_default_evaluation_reports_the_policy_the_critic_evaluates():
+    # no eval_temperature: held-out episodes are played at the policy's sampling temperature, the policy whose
+    # actions the critic is trained on and bootstraps from (collection and targets sample at it too)
+    settings = RoleSampling(temperatures={"policy": 0.8, "successor": 0.6})
+    assert settings.eval_temperature is None
+    s = ScriptedRoleSampler({"policy": "guess 1", "successor": "Outcome: success; Return: 1"}, settings=settings)
+    evaluation.evaluate([OneStep()], [Task("a", "eval")], s, PS, judge_env=None, calibration_transitions=1)
+    assert [c.temperature for c in s.calls_for("policy")] == [0.8]
+    evaluation.make_policy_fn(s, PS)([[{"role": "user", "content": "go"}]])  # acting during collection
+    assert [c.temperature for c in s.calls_for("policy")] == [0.8, 0.8]
+    assert RoleSampling().evaluation().temperature("policy") == RoleSampling().temperature("policy") == 1.0
+    # greedy stays one setting away, and says so
+    assert RoleSampling(eval_temperature=0).evaluation().temperature("policy") == 0.0
+
+
 def test_evaluate_acts_at_the_eval_temperature_and_critiques_at_the_training_settings():
     s = ScriptedRoleSampler({"policy": "guess 1", "successor": "Outcome: success; Return: 1"},
                             settings=RoleSampling(temperatures={"policy": 0.9, "successor": 0.6}, eval_temperature=0.0))

@@ -21,6 +21,7 @@ from nlac_jax.nlac.targets import (
     build_nlac_examples,
     build_policy_examples,
     format_examples_for_humans,
+    terminal_success,
     trainable,
     truncate_summary,
 )
@@ -95,6 +96,38 @@ def test_terminal_transitions_make_no_model_calls():
     # no info['success']: episode_return -5 <= success_threshold 0 -> failure
     assert parse_outcome(ex[1].target_text) == (False, -1.0) and "Out of questions." in ex[1].target_text
     assert stats.terminal_examples == 2 and stats.critic_examples == 2 and stats.sampler_calls == {}
+
+
+def test_success_fallback_reads_the_final_reward_like_the_return_line():
+    # no info['success'], step costs of -1 (20 Questions' shape): a won game's episode return is negative,
+    # but its final step's return-to-go (the Return line) is +1: success. A lost one ends at 0: failure.
+    won = [trans(f"w{i}", reward=-1.0, episode_return=-2.0) for i in range(3)]
+    won.append(trans("w3", reward=1.0, done=True, episode_return=-2.0))
+    lost = trans("l", reward=0.0, done=True, episode_return=-4.0, final_obs="No questions left.")
+    ex = build_critic_examples([won[-1], lost], make_sampler(), TargetConfig(), PS)
+    assert parse_outcome(ex[0].target_text) == (True, 1.0)
+    assert parse_outcome(ex[1].target_text) == (False, 0.0)
+    assert terminal_success(won[-1], TargetConfig()) and not terminal_success(lost, TargetConfig())
+    # the threshold applies to the same quantity: 0/-1 final rewards (success costs nothing) need it below 0
+    zero_win = trans("z", reward=0.0, done=True, episode_return=-7.0)
+    assert not terminal_success(zero_win, TargetConfig()) and terminal_success(zero_win, TargetConfig(success_threshold=-0.5))
+
+
+def test_env_failure_transitions_are_never_critic_targets():
+    # envs.BatchedRunner marks a step whose env code raised as terminal with info['env_error']
+    fail = Transition(state=conv("Start.", "Is it big?", "U-f"), action="A-f", reward=0.0, done=True,
+                      next_state=conv("Start.", "Is it big?", "U-f", "A-f",
+                                      "Error: the environment failed on this action (X); the episode has ended."),
+                      info={"error": True, "success": False, "env_error": True}, task=None)
+    sampler = make_sampler()
+    stats = TargetStats()
+    ex = build_critic_examples([trans("a"), fail], sampler, TargetConfig(), PS, stats)
+    assert [e.dropped for e in ex] == [None, "env_failure"] and trainable(ex) == [ex[0]]
+    assert ex[1].target_text == "" and stats.critic_dropped_env_failure == 1 and stats.terminal_examples == 0
+    assert all(len(c.messages_batch) == 1 for c in sampler.calls)  # nothing bootstraps from the dead state
+    assert stats.as_dict()["nlac/frac_critic_dropped"] == 0.5
+    # its state still serves the policy side
+    assert build_policy_examples([fail], make_sampler(), TargetConfig(), PS)[0].dropped is None
 
 
 def test_critic_backup_flow_params_and_batching():
@@ -301,6 +334,32 @@ def test_no_usable_refinement_keeps_a_only_when_judged_optimal():
     assert "TARGET aʳ:\n    POL(U-0)" in dump
 
 
+def test_refinement_equal_to_a_is_distilled_only_under_an_optimal_verdict():
+    # the refiner hands a back unchanged (modulo whitespace) to every state; only the optimal verdict's a is kept
+    critiques = ["fine\nVerdict: optimal", "bad\nVerdict: suboptimal", "no verdict here"]
+    sampler = make_sampler(evaluator=critiques, refiner=lambda msgs, j: f"Action:  {prompt_action(msgs)} ")
+    stats = TargetStats()
+    ex = build_policy_examples([trans(str(i)) for i in range(3)], sampler, TargetConfig(), PS, stats)
+    assert [e.refinements for e in ex] == [["POL(U-0)"], ["POL(U-1)"], ["POL(U-2)"]]
+    assert [(e.target_text, e.dropped) for e in ex] == [
+        ("POL(U-0)", None), ("", "refinement_unchanged"), ("", "refinement_unchanged")]
+    assert trainable(ex) == [ex[0]]
+    assert stats.refinement_unchanged_dropped == 2 and stats.refinement_unchanged == 1 and stats.policy_dropped == 2
+    d = stats.as_dict()
+    assert d["nlac/refinement_unchanged_dropped"] == 2.0 and d["nlac/frac_policy_dropped"] == pytest.approx(2 / 3)
+    # a changed refinement of a rejected action is still the target
+    ex = build_policy_examples([trans("x")], make_sampler(), TargetConfig(), PS)
+    assert (ex[0].target_text, ex[0].dropped) == ("REF1(POL(U-x))", None)
+
+
+def test_unchanged_refinement_without_a_verdict_is_dropped_when_the_critique_is_ablated():
+    sampler = make_sampler(refiner=lambda msgs, j: f"Action: {prompt_action(msgs)}")
+    stats = TargetStats()
+    ex = build_policy_examples([trans("a")], sampler, TargetConfig(ablate_critique=True), PS, stats)
+    assert (ex[0].target_text, ex[0].dropped) == ("", "refinement_unchanged") and trainable(ex) == []
+    assert stats.refinement_unchanged_dropped == 1
+
+
 def test_unusable_later_round_keeps_earlier_refinement():
     sampler = make_sampler(refiner=["first try", ""])
     stats = TargetStats()
@@ -350,11 +409,11 @@ def test_per_task_prompt_sets():
 def test_three_argument_sampler_contract_and_bad_output_length():
     class Minimal:  # the 3-argument form: sample(messages_batch, params, role), no `n` (k = 1 never passes it)
         def sample(self, messages_batch, params, role):
-            text = "Outcome: success; Return: 0" if role == "successor" else "x"
+            text = {"successor": "Outcome: success; Return: 0", "refiner": "y"}.get(role, "x")
             return [Completion(text, "stop_token")] * len(messages_batch)
 
     ex = build_policy_examples([trans("a")], Minimal(), TargetConfig(), PS)
-    assert ex[0].target_text == "x"
+    assert ex[0].target_text == "y"
 
     class Short:
         def sample(self, messages_batch, params, role, n=1):

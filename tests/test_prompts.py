@@ -412,6 +412,44 @@ def test_task_folder_alias_comes_after_an_exact_folder(tmp_path):
     assert P.PromptSet(task="tau_bench").source("evaluator") == ps.source("evaluator")
 
 
+def _hidden_answers(name):
+    """What each env knows and a lost game never shows the agent (the strings a terminal summary must not hold)."""
+    if name == "toy":
+        return ["37"]  # _scenario's toy target
+    if name == "twenty_questions":
+        obj = envs.make_task_source("twenty_questions").tasks("all")[0].payload
+        return [obj["name"], *obj["synonyms"]]
+    if name == "math":
+        return [envs.make_task_source("math").tasks("train")[0].payload["answer"], "27}{4", "reference"]
+    from nlac_jax.envs.tau_bench import TauBenchTaskSource
+    gold = TauBenchTaskSource(name[len("tau_"):]).tasks("train")[0].payload["task"]["evaluation_criteria"]["actions"]
+    return [str(v) for a in gold for v in a["arguments"].values() if len(str(v)) > 3]  # ids, order numbers
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_terminal_summaries_never_quote_a_hidden_answer(name):
+    """The critic's target for a terminal step (built by targets.build_critic_examples from the env's real final
+    observation) states only what the agent could observe: no hidden object, number or reference answer, under the
+    task's own template and under the default one (which quotes the observation verbatim)."""
+    from nlac_jax.envs.transition import Transition
+    from nlac_jax.nlac.targets import build_critic_examples
+    from nlac_jax.roles import ScriptedRoleSampler
+
+    st, action, _, _, ends = _scenario(name)
+    lost = [r for r in ends if not r.info.get("success")]
+    assert lost
+    hidden = _hidden_answers(name)
+    for res in lost:
+        assert not any(h.lower() in res.observation.lower() for h in hidden), (name, res.observation)
+        t = Transition(state=st, action=action, reward=res.reward, done=True, info=res.info,
+                       next_state=st + [{"role": "assistant", "content": action},
+                                        {"role": "user", "content": res.observation}])
+        for ps in (P.PromptSet(task=name), P.PromptSet()):
+            (ex,) = build_critic_examples([t], ScriptedRoleSampler({}), TargetConfig(), ps)
+            assert ex.terminal and ex.target_text
+            assert not any(h.lower() in ex.target_text.lower() for h in hidden), (name, ex.target_text)
+
+
 @pytest.mark.parametrize("name", envs.ENV_NAMES)
 def test_task_templates_render_realistic_states(name):
     folder = TASK_FOLDER[name]

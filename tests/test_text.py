@@ -274,8 +274,13 @@ def test_loss_mask_covers_exactly_the_target(tok):
         assert int(am.sum()) == len(ex.prompt_ids) + len(ex.target_ids)
     assert batch.num_target_tokens == sum(len(e.target_ids) for e in examples)
     d = batch.as_dict()
-    assert set(d) == {"input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight"}
+    assert set(d) == {"input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight", "denom_tokens",
+                      "denom_examples"}
     assert d["input_ids"] is batch.input_ids
+    # a batch packed on its own carries its own loss denominators: target tokens / examples of each row's kind
+    n = [len(e.target_ids) for e in examples]
+    np.testing.assert_array_equal(batch.denom_tokens, [n[0] + n[2], n[1], n[0] + n[2]])  # kinds: policy, critic, policy
+    np.testing.assert_array_equal(batch.denom_examples, [2, 1, 2])
 
 
 def test_prompt_is_left_truncated_target_kept_when_asked(tok):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nlac_jax import models, sharding, training
+from nlac_jax import models, sharding, text, training
 from nlac_jax.training import loss as loss_lib
 
 CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -86,7 +86,8 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 # ----------------------------------------------------------------------------- reference (NumPy)
-def reference_losses(params, batch, normalisation):
+def reference_losses(params, batch, normalisation, denominators=None):
+    """l1, l2 by hand. denominators: {kind: (tokens, examples)} per batch for the iteration (None: this batch's)."""
     logits = np.asarray(models.forward(CFG, params, jnp.asarray(batch["input_ids"]),
                                        jnp.asarray(batch["attention_mask"]), jnp.asarray(batch["positions"])),
                         np.float64)
@@ -105,8 +106,12 @@ def reference_losses(params, batch, normalisation):
             tot += batch["weight"][b] * sum(nll)
             ntok += len(ts)
             per_ex.append(batch["weight"][b] * np.mean(nll))
-        out[name] = tot / ntok if normalisation == "token" else float(np.mean(per_ex))
+        if denominators is None:
+            out[name] = tot / ntok if normalisation == "token" else float(np.mean(per_ex))
+        else:
+            out[name] = tot / denominators[k][0] if normalisation == "token" else sum(per_ex) / denominators[k][1]
         out[f"{'critic' if k == 0 else 'policy'}_tokens"] = ntok
+        out[f"{name}_sum"] = tot
     return out
 
 
@@ -130,6 +135,64 @@ def test_losses_match_hand_computed_nll_sequence_normalisation():
     np.testing.assert_allclose(float(info["l1"]), ref["l1"], rtol=1e-5)
     np.testing.assert_allclose(float(info["l2"]), ref["l2"], rtol=1e-5)
     np.testing.assert_allclose(float(loss), ref["l1"] + ref["l2"], rtol=1e-5)
+
+
+def test_iteration_denominators_match_hand_computed_losses():
+    """Batches of one iteration share their loss denominators (text.share_loss_denominators, what
+    text.pack_train_batches does): each kind's loss is Σ w·NLL over the batch's rows of that kind divided by the
+    iteration's MEAN per-batch count of that kind (counted here by hand), and with 'token' the batches' losses
+    average to the per-token mean over all of the iteration's targets."""
+    batches = [make_batch(0), make_batch(1, num_dummy=9)]  # different mixes and sizes
+    shared = text.share_loss_denominators([text.PackedBatch(**b) for b in batches])
+    den = {}
+    for k in (0, 1):
+        n_b = [b["loss_mask"][b["kind"] == k, 1:].sum(axis=1) for b in batches]
+        den[k] = (sum(n.sum() for n in n_b) / 2, sum((n > 0).sum() for n in n_b) / 2)
+    assert den[0] != den[1]
+    for normalisation in ("token", "sequence"):
+        refs = [reference_losses(init_params(), b, normalisation, den) for b in batches]
+        got = [grad_fn("1dev", normalisation)(init_params(), sb) for sb in shared]
+        for (loss, _, info), ref in zip(got, refs):
+            np.testing.assert_allclose(float(info["l1"]), ref["l1"], rtol=1e-5)
+            np.testing.assert_allclose(float(info["l2"]), ref["l2"], rtol=1e-5)
+            np.testing.assert_allclose(float(loss), ref["l1"] + ref["l2"], rtol=1e-5)
+        if normalisation == "token":
+            for name, tok in (("l1", "critic_tokens"), ("l2", "policy_tokens")):
+                mean = sum(r[f"{name}_sum"] for r in refs) / sum(r[tok] for r in refs)
+                assert np.mean([float(i[name]) for _, _, i in got]) == pytest.approx(mean, rel=1e-5)
+
+
+@pytest.mark.parametrize("normalisation", ["token", "sequence"])
+def test_an_examples_loss_weight_does_not_depend_on_its_batch_mix(normalisation):
+    """One iteration's 4 policy and 12 critic examples packed into 2 batches of 8 under several shuffles: the mixes
+    differ (a policy row among 1..4 others of its kind), each example's loss coefficient does not, and it is
+    w / (the iteration's per-batch count of its kind), by hand."""
+    r = np.random.RandomState(0)
+    exs = [text.Example(prompt_ids=[200 + i] + list(r.randint(1, 100, 2)),
+                        target_ids=list(r.randint(1, 100, r.randint(1, 6))), kind=int(i < 4), weight=1.0 + i % 3)
+           for i in range(16)]
+    per_kind = {k: ([len(e.target_ids) for e in exs if e.kind == k]) for k in (0, 1)}
+    coefs, mixes = {}, set()
+    for seed in range(6):
+        batches, _ = text.pack_train_batches(exs, np.random.default_rng(seed), max_len=16, batch_size=8,
+                                             train_steps=None)
+        assert len(batches) == 2
+        mixes.add(tuple(sorted(int(b.kind.sum()) for b in batches)))
+        for b in batches:
+            coef, _ = loss_lib.loss_coefficients(jnp.asarray(b.loss_mask), jnp.asarray(b.kind),
+                                                 jnp.asarray(b.weight), normalisation, jnp.asarray(b.denom_tokens),
+                                                 jnp.asarray(b.denom_examples))
+            coef = np.asarray(coef)
+            for row in range(b.num_examples):
+                i = int(b.input_ids[row, 0]) - 200
+                c = coef[exs[i].kind, row, :-1][b.loss_mask[row, 1:] == 1]  # its target positions (shifted)
+                assert np.ptp(c) == 0 and np.all(coef[1 - exs[i].kind, row] == 0)
+                coefs.setdefault(i, set()).add(round(float(c[0]), 7))
+    assert len(mixes) > 1  # the shuffles really mixed the batches differently
+    for i, e in enumerate(exs):
+        tokens, examples = sum(per_kind[e.kind]) / 2, len(per_kind[e.kind]) / 2
+        want = e.weight / tokens if normalisation == "token" else e.weight / len(e.target_ids) / examples
+        assert coefs[i] == {round(want, 7)}, (i, coefs[i], want)
 
 
 def test_padding_and_non_target_positions_contribute_nothing():

@@ -146,7 +146,11 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
     same = train_split == eval_split
     paths = getattr(src, 'paths', None) or {}
     if not same and train_split in paths and eval_split in paths:
-        same = os.path.realpath(paths[train_split]) == os.path.realpath(paths[eval_split])
+        from nlac_jax import fs
+
+        def real(p):
+            return fs.abspath(p) if fs.is_remote(p) else os.path.realpath(p)
+        same = real(paths[train_split]) == real(paths[eval_split])
     if same and not train_on_eval_split:
         where = f" (both read {paths[train_split]})" if train_split in paths else ""
         raise ValueError(f"make_task_source({env_name!r}): train_split={train_split!r} and eval_split="

@@ -15,6 +15,10 @@ Conventions
   requests of all active episodes with one call per model function, so those calls are batched like the policy's.
 * Observations are appended to the history as ``user`` messages (tool results included, see ``tau_bench.py``):
   keeping to three roles keeps every chat template happy.
+* An observation holds only what the agent may see, also at the end of an episode: a hidden answer (20 Questions'
+  object, the toy's number, math's reference) goes in ``info``, never in the text. Critic targets for terminal
+  steps quote the final observation (``nlac`` terminal summaries), and the successor must not be taught to write
+  what it cannot know from (s_t, a_t).
 """
 
 from __future__ import annotations
@@ -321,8 +325,11 @@ class BatchedRunner:
 
     Env exceptions: an exception raised by one env's ``reset`` / ``step`` / ``step_begin`` / ``step_end`` ends
     THAT episode only. A failed step becomes an error observation ("Error: the environment failed ...") on a
-    transition marked ``info['env_error']`` and ``truncated`` (done=False: the env did not reach a terminal
-    state, so a TD critic bootstraps); a failed reset gives an empty episode. Such episodes carry
+    TERMINAL transition (done=True, reward 0, ``info['success'] = False``) marked ``info['env_error']``: the
+    episode is over, so no critic may bootstrap a next action from that state, and critic targets leave such
+    transitions out altogether (``nlac.targets``: an env bug says nothing about the action's value; as a
+    "failure, Return 0" it would even read as a cheap exit where steps cost reward). A failed reset gives an
+    empty episode. Such episodes carry
     ``env_exceptions=1`` and ``info['env_exception']`` ('TypeName: message'); ``error_monitor`` (default: the
     process-wide one) logs them and raises ``EnvErrorLimitExceeded`` after too many in a row. Exceptions from
     ``policy_fn`` or from model functions answering env requests are ours, not the env's, and propagate; so does an
@@ -381,8 +388,9 @@ class BatchedRunner:
                 s = slots[i]
                 failure = res if isinstance(res, _EnvFailure) else None
                 if failure is not None:
+                    # terminal (done=True), as the text says: nothing may bootstrap from a dead state
                     res = StepResult(f"Error: the environment failed on this action "
-                                     f"({_short_exc(failure.exc, 120)}); the episode has ended.", 0.0, False,
+                                     f"({_short_exc(failure.exc, 120)}); the episode has ended.", 0.0, True,
                                      {'error': True, 'success': False, 'env_error': True,
                                       'env_exception': _short_exc(failure.exc), 'env_error_where': failure.where})
                 state = copy.deepcopy(s['messages'])
@@ -392,7 +400,7 @@ class BatchedRunner:
                 s['turns'] += 1
                 s['ret'] += float(res.reward)
                 s['errors'] += int(bool(res.info.get('error', False)))
-                truncated = failure is not None or ((not res.done) and s['turns'] >= s['limit'])
+                truncated = (not res.done) and s['turns'] >= s['limit']
                 info = dict(res.info)
                 if truncated:
                     info['truncated'] = True

@@ -37,31 +37,31 @@ def _level(v) -> Optional[int]:
 
 def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> list:
     """Tasks from a MATH-style JSONL (problem, answer or solution, level, subject); ``hard_only`` keeps level 5."""
-    if not os.path.isfile(path):
+    from nlac_jax import fs  # local or gs://
+    if not fs.isfile(path):
         raise FileNotFoundError(f"math JSONL not found: {path}")
     tasks = []
-    with open(path, encoding='utf-8') as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: invalid JSON ({e})") from None
-            if 'problem' not in row:
-                raise ValueError(f"{path}:{ln}: missing key 'problem'")
-            answer = row.get('answer')
-            if answer is None and 'solution' in row:
-                answer = extract_answer(row['solution'])
-            if answer is None:
-                raise ValueError(f"{path}:{ln}: no 'answer' and no boxed answer in 'solution'")
-            level = _level(row.get('level'))
-            if hard_only and level != 5:
-                continue
-            tid = row.get('unique_id') or row.get('id') or f'{os.path.basename(path)}:{ln}'
-            tasks.append(Task(id=str(tid), split=split, payload={
-                'problem': row['problem'], 'answer': str(answer), 'level': level,
-                'subject': row.get('subject') or row.get('type'), 'solution': row.get('solution')}))
+    for ln, line in enumerate(fs.read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{ln}: invalid JSON ({e})") from None
+        if 'problem' not in row:
+            raise ValueError(f"{path}:{ln}: missing key 'problem'")
+        answer = row.get('answer')
+        if answer is None and 'solution' in row:
+            answer = extract_answer(row['solution'])
+        if answer is None:
+            raise ValueError(f"{path}:{ln}: no 'answer' and no boxed answer in 'solution'")
+        level = _level(row.get('level'))
+        if hard_only and level != 5:
+            continue
+        tid = row.get('unique_id') or row.get('id') or f'{os.path.basename(path)}:{ln}'
+        tasks.append(Task(id=str(tid), split=split, payload={
+            'problem': row['problem'], 'answer': str(answer), 'level': level,
+            'subject': row.get('subject') or row.get('type'), 'solution': row.get('solution')}))
     return tasks
 
 
@@ -161,11 +161,11 @@ class MathEnv(EnvBase):
     counts as incorrect, sets ``info['grader'] = 'timeout'`` and logs one short line for the episode.
     """
 
-    def __init__(self, max_action_chars: int = 16000, use_math_verify: bool = True, reveal_answer: bool = False,
+    def __init__(self, max_action_chars: int = 16000, use_math_verify: bool = True,
                  grade_timeout_s: float = DEFAULT_GRADE_TIMEOUT_S):
         self.max_turns = 1
         self.max_action_chars = max_action_chars
-        self.use_math_verify, self.reveal_answer = use_math_verify, reveal_answer
+        self.use_math_verify = use_math_verify
         self.grade_timeout_s = float(grade_timeout_s)
         self._task: Optional[Task] = None
 
@@ -199,7 +199,6 @@ class MathEnv(EnvBase):
                    'error': 'failed', 'unavailable': 'unavailable'}.get(grade.status, grade.status)
             log.warning("math grader %s on task %s (answer %r); counted as not equal", why, self._task.id,
                         clip_for_log(pred, 60))
+        # never the reference answer (it is in info['reference']): critic targets quote observations (envs.base)
         obs = 'Correct. Reward 1.' if ok else 'Incorrect. Reward 0.'
-        if self.reveal_answer and not ok:
-            obs += f' The reference answer is {ref}.'
         return StepResult(obs, 1.0 if ok else 0.0, True, info)

@@ -140,7 +140,8 @@ class GuessNumberEnv(EnvBase):
                 obs = 'lower'
         if left <= 0:
             self.done = True
-            return StepResult(f"{obs}. You are out of guesses; the number was {self.target}.", 0.0, True, info)
+            info['target'] = self.target  # logs only: observations hold no hidden answer (envs.base)
+            return StepResult(f"{obs}. You are out of guesses.", 0.0, True, info)
         return StepResult(obs, 0.0, False, info)
 
     # --- optimality diagnostics -------------------------------------------------------------------------------

@@ -264,12 +264,12 @@ def resolve_object_list(path_or_set: Optional[str]) -> str:
 def load_object_table(path: Optional[str] = None) -> ObjectTable:
     """Load an object list (JSON or text, see module doc): a path, or a set name from ``OBJECT_SETS``; ``None`` =
     the shipped 'scripted' table."""
+    from nlac_jax import fs  # local or gs://
     path = resolve_object_list(path)
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise FileNotFoundError(f"20 Questions object list not found: {path} (a file, or a set name: "
                                 f"{', '.join(sorted(OBJECT_SETS))})")
-    with open(path, encoding='utf-8') as f:
-        text = f.read()
+    text = fs.read_text(path)
     if path.endswith('.json'):
         try:
             data = json.loads(text)
@@ -493,7 +493,8 @@ class TwentyQuestionsEnv(EnvBase):
         elif names_object(action_text, self.obj):
             self.done = True
             info['success'] = True
-            self._result = StepResult(f"Yes! You guessed it: the object is {self.obj.name}.", 0.0, True, info)
+            info['object'] = self.obj.name
+            self._result = StepResult("Yes! You guessed it.", 0.0, True, info)
         else:
             req = self.oracle.request(self.obj, action_text)
             if req is not None:
@@ -514,6 +515,8 @@ class TwentyQuestionsEnv(EnvBase):
     def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:
             self.done = True
-            return StepResult(f"{obs} You have used all {self.max_turns} questions. The object was "
-                              f"{self.obj.name}.", -1.0, True, info)
+            # the object is in info (logs), never in the observation: critic targets quote observations, and
+            # the agent never learns the object from a lost game (envs.base: observations hold no hidden answer)
+            info['object'] = self.obj.name
+            return StepResult(f"{obs} You have used all {self.max_turns} questions.", -1.0, True, info)
         return StepResult(obs, -1.0, False, info)

@@ -36,7 +36,7 @@ from nlac_jax.envs.base import BatchedRunner, Task, TaskCursor
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, parse_guess
 from nlac_jax.envs.transition import Transition
 from nlac_jax.nlac.prompts import PromptSet, render_transcript
-from nlac_jax.nlac.targets import TargetConfig, truncate_summary
+from nlac_jax.nlac.targets import TargetConfig, terminal_success, truncate_summary
 from nlac_jax.nlac.verdict import outcome_line, parse_outcome
 from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.text import KIND_CRITIC, KIND_POLICY
@@ -240,7 +240,7 @@ def terminal_summary(t: Transition, ps: PromptSet, cfg: Optional[TargetConfig] =
     """The successor target of a terminal transition, exactly as ``targets.build_critic_examples`` builds it."""
     cfg = cfg or TargetConfig()
     obs = _rendered_observation(t, ps, cfg)
-    success = bool(t.success) if t.success is not None else t.episode_return > cfg.success_threshold
+    success = terminal_success(t, cfg)
     text = ps.terminal_summary(t.reward, t.episode_return, success, obs if cfg.terminal_include_observation else None)
     return truncate_summary(text, cfg.max_summary_chars)
 

@@ -250,7 +250,7 @@ def run_experiment(workdir: str) -> dict:
     curves, critic = plot_results(results, workdir)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write(f"# Unit-scale experiment ({len(tasks)} held-out episodes over {len({t.id for t in tasks})} test "
-                f"tasks, policy temperature {run.sampling.eval_temperature:g})\n\n{table}\n\n"
+                f"tasks, policy temperature {run.sampling.evaluation().temperature('policy'):g})\n\n{table}\n\n"
                 f"![learning curves]({os.path.basename(curves)})\n![critic curves]({os.path.basename(critic)})\n")
     run.checkpointer.close()
     _progress(workdir, f"results: {os.path.join(workdir, 'results.md')}")

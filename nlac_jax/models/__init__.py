@@ -93,7 +93,7 @@ class Model:
         """Write an HF directory (config.json + safetensors [+ tokenizer]) that transformers loads."""
         files = hf_io.save_params(out_dir, self.config, self.params, max_shard_bytes=max_shard_bytes, dtype=dtype)
         if save_tokenizer and self.tokenizer is not None and jax.process_index() == 0:
-            self.tokenizer.save_pretrained(out_dir)
+            hf_io.save_tokenizer(self.tokenizer, out_dir)
         return files
 
     def with_config(self, **kw) -> "Model":
@@ -114,11 +114,12 @@ def load_pretrained(model_dir: str, dtype: str = "float32", param_dtype: str | N
     dtype: compute dtype; param_dtype: storage dtype (default: same as dtype... float32 master weights for
     training: pass param_dtype="float32"). With `mesh`, each tensor is placed straight into its sharding.
     """
-    if not os.path.isdir(model_dir):
+    from nlac_jax import fs
+    if not fs.isdir(model_dir):  # local or gs:// (the weights are read in place, each device its tensors)
         raise FileNotFoundError(f"{model_dir}: model directory does not exist")
     cfg = ModelConfig.from_hf_file(model_dir, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     tok = None
-    if load_tokenizer and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    if load_tokenizer and fs.isfile(fs.join(model_dir, "tokenizer.json")):
         from nlac_jax import text
         tok = text.load_tokenizer(model_dir)
         check_tokenizer(cfg, tok, model_dir)  # before the weights: a mismatch is refused in seconds

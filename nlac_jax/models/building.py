@@ -41,7 +41,8 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
     if hf_config is not None and not isinstance(hf_config, dict):
         raise models.ConfigError(f"build_model.hf_config = {hf_config!r}: expected a dict of config.json fields")
     if model_dir is not None:
-        if not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
+        from nlac_jax import fs
+        if not fs.is_remote(model_dir) and not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
                 os.path.isdir(os.path.join(_REPO_ROOT, model_dir)):
             model_dir = os.path.join(_REPO_ROOT, model_dir)
         if hf_config is not None:
@@ -64,12 +65,11 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
 def _check_hf_config(hf_config: dict, model_dir: str) -> None:
     """Every field of the gin file's hf_config must equal the model directory's config.json (ConfigError otherwise)."""
     import json
-    from nlac_jax import models
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
+    from nlac_jax import fs, models
+    path = fs.join(model_dir, "config.json")
+    if not fs.isfile(path):
         return  # from_hf_file reports the missing file
-    with open(path) as f:
-        d = json.load(f)
+    d = json.loads(fs.read_text(path))
     for key, want in hf_config.items():
         have = d.get(key)
         if have != want and not (isinstance(want, (list, tuple)) and list(want) == have):

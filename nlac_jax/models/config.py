@@ -141,12 +141,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_file(cls, model_dir: str, **overrides) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
+        from nlac_jax import fs
+        path = fs.join(model_dir, "config.json")  # local or gs://
+        if not fs.isfile(path):
             raise FileNotFoundError(f"{path}: no config.json in the model directory")
         try:
-            with open(path) as f:
-                d = json.load(f)
+            d = json.loads(fs.read_text(path))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(d, dict):

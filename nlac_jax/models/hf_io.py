@@ -14,12 +14,14 @@ import json
 import math
 import os
 import struct
+import tempfile
 from typing import Callable
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from nlac_jax import fs
 from nlac_jax.models import decoder, families
 from nlac_jax.models.config import ModelConfig
 
@@ -27,6 +29,11 @@ from nlac_jax.models.config import ModelConfig
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+# gs:// reads: the bytes of recently read tensors a SafetensorsFile keeps, so the devices of a host that share a
+# tensor fetch it once
+REMOTE_CACHE_BYTES = 1 << 30
+
 
 class CheckpointError(ValueError):
     """Missing/unexpected/mis-shaped tensors or unreadable files; the message names the tensor or file."""
@@ -97,18 +104,19 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple, str, int
 
 # ----------------------------------------------------------------------------- safetensors (no torch, mmap)
 class SafetensorsFile:
-    """Memory-mapped reader of one .safetensors file: header parsed once, tensors read lazily."""
+    """Reader of one .safetensors file: header parsed once, tensors read lazily. A local file is memory-mapped; on
+    gs:// each tensor is one ranged read of its own bytes, so a host fetches only the tensors it places."""
 
     def __init__(self, path: str):
         self.path = path
+        self._remote = fs.is_remote(path)
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                if 8 + n > size:
-                    raise CheckpointError(f"{path}: the safetensors header claims {n} bytes but the file has only "
-                                          f"{size} bytes (truncated file?)")
-                header = json.loads(f.read(n))
+            size = fs.size(path)
+            n = struct.unpack("<Q", fs.read_range(path, 0, 8))[0]
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: the safetensors header claims {n} bytes but the file has only "
+                                      f"{size} bytes (truncated file?)")
+            header = json.loads(fs.read_range(path, 8, 8 + n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
         if not isinstance(header, dict):
@@ -117,6 +125,7 @@ class SafetensorsFile:
         self.header = header
         self._base = 8 + n
         self._mm = None
+        self._cached: dict[str, np.ndarray] = {}  # gs:// only: the latest tensors read, oldest first
         self._check_offsets(size - self._base)
 
     def _check_offsets(self, data_bytes: int) -> None:
@@ -152,10 +161,19 @@ class SafetensorsFile:
         info = self.header[name]
         if info["dtype"] not in _ST_DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         start, end = info["data_offsets"]
-        raw = self._mm[self._base + start:self._base + end]
+        if self._remote:
+            raw = self._cached.pop(name, None)
+            if raw is None:
+                raw = np.frombuffer(fs.read_range(self.path, self._base + start, self._base + end), dtype=np.uint8)
+            # the devices of one host that share a tensor ask for it one after another: keep the latest ones
+            self._cached[name] = raw
+            while sum(r.nbytes for r in self._cached.values()) > REMOTE_CACHE_BYTES and len(self._cached) > 1:
+                self._cached.pop(next(iter(self._cached)))
+        else:
+            if self._mm is None:
+                self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+            raw = self._mm[self._base + start:self._base + end]
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
@@ -173,43 +191,50 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict 
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    def write(f):
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for a in arrays:
             f.write(a.tobytes())
+
+    if fs.is_remote(path):  # one upload: the object appears only once complete
+        with fs.open(path, "wb") as f:
+            write(f)
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
     os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
 
 
 class HFCheckpoint:
-    """All tensors of a local HF directory: `model.safetensors`, or shards listed in `model.safetensors.index.json`."""
+    """All tensors of an HF directory (local or gs://): `model.safetensors`, or shards listed in
+    `model.safetensors.index.json`."""
 
     def __init__(self, model_dir: str):
-        single = os.path.join(model_dir, "model.safetensors")
-        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = fs.join(model_dir, "model.safetensors")
+        index = fs.join(model_dir, "model.safetensors.index.json")
         self.files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, str] = {}
-        if os.path.isfile(index):
+        if fs.isfile(index):
             try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
+                weight_map = json.loads(fs.read_text(index))["weight_map"]
             except (OSError, json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: unreadable shard index ({e!r})") from None
             for name, fname in weight_map.items():
-                path = os.path.join(model_dir, fname)
+                path = fs.join(model_dir, fname)
                 if fname not in self.files:
-                    if not os.path.isfile(path):
+                    if not fs.isfile(path):
                         raise CheckpointError(f"{path}: shard listed in {index} (for tensor {name!r}) is missing")
                     self.files[fname] = SafetensorsFile(path)
                 if name not in self.files[fname].header:
                     raise CheckpointError(f"{path}: tensor {name!r} listed in {index} is not in this shard")
                 self.where[name] = fname
-        elif os.path.isfile(single):
+        elif fs.isfile(single):
             self.files["model.safetensors"] = SafetensorsFile(single)
             self.where = {k: "model.safetensors" for k in self.files["model.safetensors"].keys()}
         else:
-            if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(model_dir)):
+            if any(f.endswith((".bin", ".pt", ".pth")) for f in fs.listdir(model_dir)):
                 raise CheckpointError(f"{model_dir}: only pickle weights (.bin/.pt) found; we load safetensors only "
                                       "(convert with transformers' save_pretrained(safe_serialization=True))")
             raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
@@ -322,13 +347,12 @@ def save_params(out_dir: str, cfg: ModelConfig, params: dict, max_shard_bytes: i
         tensors[name] = _ours_to_hf(_to_host(a), hf_shape, tr).astype(out_dtype)
     if jax.process_index() != 0:
         return []
-    os.makedirs(out_dir, exist_ok=True)
+    fs.makedirs(out_dir)
     hf_cfg = cfg.replace(param_dtype=str(jax.numpy.dtype(out_dtype))).to_hf_dict()
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_cfg, f, indent=2)
+    fs.write_atomic(fs.join(out_dir, "config.json"), json.dumps(hf_cfg, indent=2))
     total = sum(a.nbytes for a in tensors.values())
     if total <= max_shard_bytes:
-        write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+        write_safetensors(fs.join(out_dir, "model.safetensors"), tensors)
         return ["config.json", "model.safetensors"]
     shards, cur, size = [], {}, 0
     for name in expected_tensors(cfg):  # keep layers together, in model order
@@ -341,12 +365,24 @@ def save_params(out_dir: str, cfg: ModelConfig, params: dict, max_shard_bytes: i
     weight_map, files = {}, ["config.json"]
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(out_dir, fname), shard)
+        write_safetensors(fs.join(out_dir, fname), shard)
         weight_map.update({n: fname for n in shard})
         files.append(fname)
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    fs.write_atomic(fs.join(out_dir, "model.safetensors.index.json"),
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return files + ["model.safetensors.index.json"]
+
+
+def save_tokenizer(tokenizer, out_dir: str) -> None:
+    """tokenizer.save_pretrained(out_dir) for a local or gs:// directory (transformers writes local files only: on
+    gs:// they are written to a temporary directory and uploaded). Call on one process."""
+    if not fs.is_remote(out_dir):
+        tokenizer.save_pretrained(out_dir)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            fs.write_atomic(fs.join(out_dir, name), fs.read_bytes(os.path.join(tmp, name)))
 
 
 def cfg_layers_scanned(params: dict) -> bool:

@@ -100,7 +100,7 @@ def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: Pro
              settings: RoleSampling | None = None, processes=None) -> tuple[dict, list[Episode]]:
     """Held-out episodes + critic diagnostics. Returns (metrics under 'eval/', episodes).
 
-    The policy acts at ``settings.eval_temperature`` (greedy by default, see ``RoleSampling.evaluation``); the
+    The policy acts at ``settings.eval_temperature`` (default: its sampling temperature, see ``RoleSampling``); the
     critic's roles keep their training settings. settings: None = the sampler's own.
     processes: several processes play their shares of `tasks` (``rl.rollout.collect``); the diagnostics then run
     on every process's episodes, the same on each (collective: every process must call it).

@@ -25,15 +25,21 @@ round i-1), with ``n = k`` for the futures. Choices the paper leaves open, and t
     generated d*_t's final line is rewritten to it. The model does the language part of the backup; the
     arithmetic is exact (undiscounted: the language "discount" is the shrinking detail of far events).
   * Success of a terminal step: ``info['success']`` when the environment reports it, else
-    ``episode_return > success_threshold``.
+    ``r_t > success_threshold`` (the final reward, i.e. the return-to-go the Return line states; not the
+    episode return, which step costs push below any threshold).
   * Cut-off generations are never targets: a backup, refinement or fresh action that stopped at its token
     budget or the model context (``Completion.truncated``) is refused (``dropped_truncated``), because text
     packing would append the end-of-turn token and teach the model to stop mid-thought. Sampled actions are
     still acted on (the environment judges them) and still critiqued and refined.
+  * Environment failures (``info['env_error']``: the env's code raised on a_t, a terminal transition): the
+    critic example is DROPPED (``critic_dropped_env_failure``); an env bug says nothing about a_t's value.
   * Unusable backup (empty, only an Outcome/Return line, or cut off): the critic example is DROPPED
     (``critic_dropped_backup``); it never falls back to d_{t+1}, which is a forecast of a different (s, a).
   * Unusable refinement (empty after :func:`~nlac_jax.nlac.verdict.clean_action`, longer than
     ``max_action_chars``, or cut off): skipped; the target is the latest usable refinement of the chain.
+  * A refinement equal to a (up to whitespace) is a target only when the verdict on a was optimal; otherwise
+    the example is DROPPED (``refinement_unchanged_dropped``): a refiner that hands a rejected (or unjudged,
+    or, with the critique ablated, never judged) action back unchanged must not get it distilled.
   * No usable refinement (or ``m_refinements = 0``): the target is a itself only when the evaluator's verdict
     on a parsed as optimal (and a is usable); otherwise the example is DROPPED (``policy_dropped_rejected``,
     ``policy_dropped_unparsable``, ...): distilling an action the critic rejected would teach it.
@@ -80,6 +86,7 @@ __all__ = [
     "build_policy_examples",
     "build_nlac_examples",
     "format_examples_for_humans",
+    "terminal_success",
     "trainable",
     "truncate_summary",
 ]
@@ -108,7 +115,8 @@ class TargetConfig:
         (rambling); sampled actions are never cut for acting.
       max_observation_chars: the environment response shown to the backup keeps its last N characters.
       enforce_outcome_line: exact Bellman arithmetic on the final line (see module docstring).
-      success_threshold: terminal success when the environment gives no ``info['success']``.
+      success_threshold: terminal success, when the environment gives no ``info['success']``, is
+        ``r_t > success_threshold`` (the final step's reward = its return-to-go).
       terminal_include_observation: terminal summaries quote the environment's final message.
       keep_reasoning: reasoning models (QwQ, Qwen3 thinking) write ``<think>...</think>`` before their answer.
         True: a target keeps the reasoning of the generation it comes from (the backup's for d*_t; the refiner's,
@@ -171,13 +179,15 @@ class TargetStats:
     verdict_unparsable: int = 0
     recritiques: int = 0  # later-round critiques of a refinement (recritique=True)
     refinements_unusable: int = 0  # refiner outputs that were empty, too long or cut off (all rounds)
-    refinement_unchanged: int = 0  # kept policy examples whose target equals a
+    refinement_unchanged: int = 0  # kept policy examples whose target equals a (a was judged optimal)
+    refinement_unchanged_dropped: int = 0  # the refinement equals a and no verdict said optimal: dropped
     successor_unparsable: int = 0  # d_{t+1} (critic side) without a readable Outcome/Return line
     future_unparsable: int = 0  # policy-side futures without a readable Outcome/Return line
     backup_line_rewritten: int = 0  # backups whose final line differed from the exact Bellman line
     empty_actions: int = 0  # policy samples that were empty after cleaning
     dropped_truncated: int = 0  # cut-off generations refused as targets (backups, refinements, fresh a)
     critic_dropped_backup: int = 0  # critic examples dropped: backup empty, outcome line only, or cut off
+    critic_dropped_env_failure: int = 0  # critic examples dropped: the environment's code failed on a_t
     policy_dropped_rejected: int = 0  # no usable refinement and the verdict on a was suboptimal
     policy_dropped_unparsable: int = 0  # no usable refinement and the verdict on a did not parse
     policy_dropped_no_verdict: int = 0  # no usable refinement and no evaluator (ablate_critique)
@@ -193,7 +203,7 @@ class TargetStats:
     def policy_dropped(self) -> int:
         """Policy examples dropped, all reasons."""
         return (self.policy_dropped_rejected + self.policy_dropped_unparsable + self.policy_dropped_no_verdict
-                + self.policy_dropped_action)
+                + self.policy_dropped_action + self.refinement_unchanged_dropped)
 
     def count_call(self, role: str, n_texts: int) -> None:
         """Records one sampler call for ``role`` that produced ``n_texts`` texts."""
@@ -213,7 +223,8 @@ class TargetStats:
         out[f"{prefix}frac_optimal"] = self.frac_optimal
         out[f"{prefix}policy_dropped"] = float(self.policy_dropped)
         if self.critic_examples:
-            out[f"{prefix}frac_critic_dropped"] = self.critic_dropped_backup / self.critic_examples
+            out[f"{prefix}frac_critic_dropped"] = (self.critic_dropped_backup
+                                                   + self.critic_dropped_env_failure) / self.critic_examples
         if self.policy_examples:
             out[f"{prefix}frac_policy_dropped"] = self.policy_dropped / self.policy_examples
             kept = self.policy_examples - self.policy_dropped
@@ -227,7 +238,7 @@ class CriticExample:
     """successor(s_t, a_t) → d*_t (kind 0), with the intermediate texts for logging.
 
     ``dropped`` is None for a usable example, else why it must not be trained on ('backup_empty',
-    'backup_truncated'); a dropped example has an empty ``target_text``.
+    'backup_truncated', 'env_failure'); a dropped example has an empty ``target_text``.
     """
 
     prompt_messages: list[dict]
@@ -257,7 +268,8 @@ class PolicyExample:
 
     ``dropped`` is None for a usable example, else why it must not be trained on: 'rejected' (no usable
     refinement, verdict suboptimal), 'verdict_unparsable', 'no_verdict' (critique ablated), 'action_truncated'
-    or 'action_unusable' (verdict optimal but a is cut off / empty / too long). Dropped: empty ``target_text``.
+    or 'action_unusable' (verdict optimal but a is cut off / empty / too long), 'refinement_unchanged' (the
+    refinement equals a and the verdict on a was not optimal). Dropped: empty ``target_text``.
     """
 
     prompt_messages: list[dict]
@@ -344,9 +356,13 @@ def _cut(stop_reason: str | None, cfg: TargetConfig) -> bool:
     return stop_reason in TRUNCATED_REASONS and not cfg.allow_truncated_targets
 
 
-def _terminal_success(t: Transition, cfg: TargetConfig) -> bool:
+def terminal_success(t: Transition, cfg: TargetConfig) -> bool:
+    """Success of a terminal transition: ``info['success']`` when the environment reports it, else
+    ``t.reward > cfg.success_threshold``. The fallback reads the same quantity as the summary's Return line,
+    the return from a_t on (r_t, at the last step), not the episode return: with step costs (20 Questions'
+    -1 per question) the episode return of a won game is negative and would always read as a failure."""
     s = t.success
-    return bool(s) if s is not None else t.episode_return > cfg.success_threshold
+    return bool(s) if s is not None else t.reward > cfg.success_threshold
 
 
 # --------------------------------------------------------------------------------------------- critic
@@ -377,9 +393,18 @@ def build_critic_examples(
         ps = resolve(t.task)
         obs_msgs = t.next_observation if t.next_state is not None else []
         obs = render_transcript(obs_msgs, ps.transcript_labels, cfg.max_observation_chars, empty="") if obs_msgs else None
-        if t.done:
+        if t.info.get("env_error"):
+            # the environment's code failed on a_t (envs.BatchedRunner): the episode ended for a reason that says
+            # nothing about a_t's value, so there is no target for it; as "failure, Return 0" it would even read
+            # as a cheap exit where steps cost reward
+            out[i] = CriticExample(
+                prompt_messages=ps.successor(t.state, t.action), target_text="", weight=cfg.critic_example_weight,
+                task=t.task, state=t.state, action=t.action, reward=t.reward, terminal=bool(t.done),
+                next_observation=obs, dropped="env_failure")
+            stats.critic_dropped_env_failure += 1
+        elif t.done:
             target = ps.terminal_summary(
-                t.reward, t.episode_return, _terminal_success(t, cfg), obs if cfg.terminal_include_observation else None
+                t.reward, t.episode_return, terminal_success(t, cfg), obs if cfg.terminal_include_observation else None
             )
             out[i] = CriticExample(
                 prompt_messages=ps.successor(t.state, t.action),
@@ -477,6 +502,11 @@ def build_critic_examples(
 
 def _usable(action: str, cfg: TargetConfig) -> bool:
     return bool(action) and len(action) <= cfg.max_action_chars
+
+
+def _same_action(a: str, b: str) -> bool:
+    """The same action up to whitespace (the environment reads both alike)."""
+    return a.split() == b.split()
 
 
 def _critique(
@@ -618,7 +648,12 @@ def build_policy_examples(
     for j in range(n):
         target, dropped = "", None
         reasoning = ""
-        if chains[j]:
+        if chains[j] and _same_action(chains[j][-1], acts[j]) and verdicts[j] is not True:
+            # the refiner handed a back unchanged, but no critique approved a (suboptimal, unparsable or
+            # ablated): distilling it would teach the very action the critic rejected or never judged
+            dropped = "refinement_unchanged"
+            stats.refinement_unchanged_dropped += 1
+        elif chains[j]:
             target, reasoning = chains[j][-1], chain_reasoning[j][-1]
         elif cfg.ablate_critique:
             dropped = "no_verdict"
@@ -639,7 +674,7 @@ def build_policy_examples(
         else:
             target, reasoning = acts[j], act_reasoning[j]  # judged optimal, no usable refinement: distil a itself
         if dropped is None:
-            stats.refinement_unchanged += int(target == acts[j])
+            stats.refinement_unchanged += int(_same_action(target, acts[j]))
             if cfg.keep_reasoning:
                 target = with_reasoning(reasoning, target)
         examples.append(

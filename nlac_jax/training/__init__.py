@@ -9,7 +9,8 @@
     ckpt.save(state, loop_state={...}); restored = ckpt.restore(training.abstract_train_state(cfg, mesh, opt))
 """
 
-from nlac_jax.training.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointRestoreError, Restored,
+from nlac_jax.training.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointRestoreError,
+                                         CheckpointSpaceError, Restored,
                                          export_hf, run_fingerprint)
 from nlac_jax.training.loss import NORMALISATIONS, loss_coefficients, shift_targets, token_nll
 from nlac_jax.training.optim import Optimizer, decay_mask, make_optimizer, make_schedule
@@ -17,7 +18,8 @@ from nlac_jax.training.state import (TrainState, abstract_train_state, create_tr
 from nlac_jax.training.step import (METRIC_KEYS, NonFiniteError, StepConfig, Throughput, TrainStep, check_finite,
                                     loss_and_grads, make_grad_fn, make_train_step, tokens_per_second, train_step)
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointRestoreError", "Restored", "export_hf",
+__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointRestoreError", "CheckpointSpaceError", "Restored",
+           "export_hf",
            "run_fingerprint", "NORMALISATIONS", "loss_coefficients",
            "shift_targets", "token_nll", "Optimizer", "decay_mask", "make_optimizer", "make_schedule", "TrainState",
            "abstract_train_state", "create_train_state", "state_shardings", "METRIC_KEYS", "NonFiniteError",

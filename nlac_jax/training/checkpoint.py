@@ -14,7 +14,7 @@ sha256 + user metadata), 'loop_state' (JSON, arbitrary JSON-serialisable dict; {
 Every process must call save/restore/wait/close (orbax synchronises and writes once per array shard).
 
 Files (the replay buffer's segments): immutable byte files under `<directory>/files/`, shared by the steps that
-need them, so a step only writes what is new. Process 0 writes a step's new files (temporary name, then renamed)
+need them, so a step only writes what is new. Process 0 writes a step's new files (atomically, via nlac_jax.fs)
 before the step's orbax save starts, so a committed step never lacks one; every process reads them on restore. A
 file is deleted once no kept step (and no step being written) lists it.
 
@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nlac_jax import fs
 from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
@@ -82,6 +83,52 @@ class CheckpointRestoreError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written for another model / task than this run (one line saying what differs)."""
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint did not fit: the disk or the bucket is full (one line naming the step, the directory and the
+    last good step, which is intact; the rerun removes the half-written step)."""
+
+
+# how a full disk or bucket reads in the errors of the libraries that write checkpoints (tensorstore's OS error, a
+# Python OSError, GCS's JSON API)
+_NO_SPACE = re.compile(r"No space left on device|ENOSPC|\[OS error 28\]|Disk quota exceeded|EDQUOT|quotaExceeded|"
+                       r"storage quota|exceeded .*quota", re.IGNORECASE)
+
+
+class _NoSpaceNoise(logging.Filter):
+    """On the loggers orbax's writers report through (absl's; asyncio's, for the writes still pending at exit):
+    drops the records of a full disk or bucket (a traceback per writer thread, ~300 lines), which the run's
+    CheckpointSpaceError says in one line. Every other record passes."""
+    seen = False  # a no-space error was seen: its stragglers (threads cut off at exit) are noise too
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (exc is not None and _no_space(exc)) or _NO_SPACE.search(record.getMessage()):
+            _NoSpaceNoise.seen = True
+            return False
+        return not (_NoSpaceNoise.seen and "after interpreter shutdown" in record.getMessage())
+
+
+_NO_SPACE_FILTER = _NoSpaceNoise()
+
+
+def _no_space(e: BaseException) -> str | None:
+    """The phrase saying the disk or bucket is full, if `e` or any error it came from says so; else None."""
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (28, 122):  # ENOSPC, EDQUOT
+            return os.strerror(x.errno)
+        m = _NO_SPACE.search(str(x))
+        if m:
+            return m.group(0)
+        stack += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+    return None
 
 
 @dataclasses.dataclass
@@ -119,35 +166,28 @@ def _json_sha(d: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the step files' I/O
-# Plain local I/O, in these four functions only, so that another filesystem (gs://) is one change.
+# Through the one filesystem layer (nlac_jax.fs): local paths and gs:// alike.
 def _write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` atomically (a temporary name renamed over it: a reader never sees a torn file)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write `data` to `path` atomically (a reader never sees a torn file)."""
+    fs.makedirs(fs.dirname(path))
+    fs.write_atomic(path, data)
 
 
 def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    return fs.read_bytes(path)
 
 
 def _list_files(root: str) -> list[str]:
     """The names of the files in directory `root` ([] when it does not exist)."""
-    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+    try:
+        return fs.listdir(root)
+    except FileNotFoundError:
+        return []
 
 
 def _remove(path: str) -> None:
     try:
-        os.remove(path)
+        fs.remove(path)
     except FileNotFoundError:
         pass
 
@@ -317,7 +357,7 @@ class Checkpointer:
                  verify_after_write: bool = True, fingerprint: dict | None = None):
         if keep is not None and int(keep) < 1:
             raise ValueError(f"Checkpointer keep={keep!r}: expected an integer >= 1 or None (keep all)")
-        self.directory = os.path.abspath(directory)
+        self.directory = fs.abspath(directory)  # local or gs:// (orbax and tensorstore speak both)
         self.save_every = int(save_every)
         self.keep = None if keep is None else int(keep)
         self.async_save = async_save
@@ -331,6 +371,10 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        for name in ("absl", "asyncio"):  # orbax logs through absl's logger; asyncio reports abandoned writes
+            if _NO_SPACE_FILTER not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_NO_SPACE_FILTER)
+        self._no_space = False  # a save did not fit: close() only releases orbax's threads
         self._verified: set[int] = set()  # steps read back and found intact (this process's lifetime)
         # step -> (abstract state, checksums, loop_state sha, its new files' sha256) until verified
         self._pending: dict[int, tuple] = {}
@@ -339,7 +383,7 @@ class Checkpointer:
 
     @property
     def files_directory(self) -> str:
-        return os.path.join(self.directory, FILES_DIR)
+        return fs.join(self.directory, FILES_DIR)
 
     def due(self, step: int, force: bool = False) -> bool:
         """Whether `save(..., step=step, force=force)` would write a checkpoint (the interval policy)."""
@@ -362,6 +406,14 @@ class Checkpointer:
         files = _checked_files(files)
         self._protected = set(files)
         self._finish_pending()  # the previous step is verified (and old ones collected) before a new write starts
+        try:
+            return self._start_save(state, step, user_meta, loop_state, force, files)
+        except Exception as e:
+            self._raise_if_no_space(e, [step])
+            raise
+
+    def _start_save(self, state: TrainState, step: int, user_meta: dict, loop_state: dict, force: bool,
+                    files: dict) -> bool:
         new = {n: v for n, v in files.items() if isinstance(v, bytes)}
         shas = {n: (_sha256(v) if isinstance(v, bytes) else v) for n, v in files.items()}
         self._write_files(step, new)
@@ -388,7 +440,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             for name, data in new.items():
                 try:
-                    _write_bytes(os.path.join(self.files_directory, name), data)
+                    _write_bytes(fs.join(self.files_directory, name), data)
                 except OSError as e:
                     err = f"{name}: {_one_line(e)}"
                     break
@@ -403,7 +455,7 @@ class Checkpointer:
         if everyone or jax.process_index() == 0:
             for name in sorted(shas):
                 try:
-                    data = _read_bytes(os.path.join(self.files_directory, name))
+                    data = _read_bytes(fs.join(self.files_directory, name))
                 except OSError as e:
                     why = f"is missing file {name} ({_one_line(e)})"
                     break
@@ -415,9 +467,26 @@ class Checkpointer:
             raise _StepBad(why or "has a bad file (seen on another process)")
         return out
 
+    def _raise_if_no_space(self, e: BaseException, steps) -> None:
+        """CheckpointSpaceError (one line) instead of `e` when `e` says the disk or bucket is full."""
+        why = _no_space(e)
+        if why is None:
+            return
+        self._pending.clear()  # the half-written step is never verified; the rerun's orbax removes it
+        self._no_space = True
+        good = sorted(self._verified) or [s for s in self.all_steps() if s not in steps]
+        last = f"the last good step, {good[-1]}, is intact" if good else "no earlier step was saved"
+        raise CheckpointSpaceError(f"checkpoint step {', '.join(map(str, sorted(steps)))} did not fit in "
+                                   f"{self.directory} ({why}); {last}: free space there (or raise the quota) and "
+                                   f"rerun the same command to resume") from None
+
     def _finish_pending(self) -> None:
         """Wait for the write in flight, verify every step written since, then apply retention."""
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            self._raise_if_no_space(e, list(self._pending))
+            raise
         for step in sorted(self._pending):
             abstract, sums, loop_sha, new_files = self._pending.pop(step)
             try:
@@ -610,13 +679,13 @@ class Checkpointer:
         """Rename bad step directories to `<step>.corrupt[-n]` (kept for inspection, invisible to orbax)."""
         moved = {}
         for s in steps:
-            src = os.path.join(self.directory, str(s))
+            src = fs.join(self.directory, str(s))
             dst, n = src + ".corrupt", 1
-            while os.path.exists(dst):
+            while fs.exists(dst):
                 dst, n = f"{src}.corrupt-{n}", n + 1
             moved[s] = dst
-            if jax.process_index() == 0 and os.path.isdir(src):
-                os.rename(src, dst)
+            if jax.process_index() == 0 and fs.isdir(src):
+                fs.rename(src, dst)
             self._verified.discard(s)
         _sync("nlac_checkpoint_move_aside")
         self._mngr.reload()
@@ -655,7 +724,7 @@ class Checkpointer:
             return
         for name in _list_files(self.files_directory):  # a killed writer's temporary file goes too
             if name not in needed:
-                _remove(os.path.join(self.files_directory, name))
+                _remove(fs.join(self.files_directory, name))
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -663,6 +732,12 @@ class Checkpointer:
         self._finish_pending()
 
     def close(self) -> None:
+        if self._no_space:  # the error was raised once, in one line; orbax repeats it while its threads end
+            try:
+                self._mngr.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return
         self._finish_pending()
         self._mngr.close()
 

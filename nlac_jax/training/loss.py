@@ -4,16 +4,21 @@ Token-level NLL: the logits at position t-1 predict token t, which counts iff lo
 is ignored: nothing predicts the first token). With tmask[b, t] = loss_mask[b, t+1] ("the token predicted at t is a
 target"), n_b = Σ_t tmask[b, t], w_b = weight[b], K_k = {b : kind[b] = k}:
 
-  normalisation='token':     L_k = Σ_{b∈K_k} w_b Σ_t tmask[b,t]·nll[b,t]  /  N_k,   N_k = Σ_{b∈K_k} n_b
-                              (weighted token NLL over the number of target tokens of kind k in the WHOLE batch)
-  normalisation='sequence':  L_k = Σ_{b∈K_k, n_b>0} w_b · (Σ_t tmask[b,t]·nll[b,t] / n_b)  /  S_k,
-                              S_k = |{b ∈ K_k : n_b > 0}|   (mean over examples of the per-example mean NLL)
+  normalisation='token':     L_k = Σ_{b∈K_k} w_b Σ_t tmask[b,t]·nll[b,t]  /  N_k
+  normalisation='sequence':  L_k = Σ_{b∈K_k, n_b>0} w_b · (Σ_t tmask[b,t]·nll[b,t] / n_b)  /  S_k
   total = critic_weight · L1 + policy_weight · L2;   L_k = 0 when kind k has no target tokens.
 
-The counts N_k, S_k are unweighted (a weight-0 row with targets still counts; padded dummy rows have no targets).
-Both normalisations are linear in the token NLLs: total = Σ_{b,t} c[b,t]·nll[b,t] with coefficients c that depend
-only on the batch's masks. `loss_coefficients` computes c for the WHOLE batch up front, so gradient accumulation
-over micro-batches (each contributing Σ c·nll over its rows) reproduces the big-batch gradient exactly.
+The denominators N_k (target tokens of kind k per batch) and S_k (examples of kind k with targets per batch) come
+with the batch (``denom_tokens`` / ``denom_examples``, per row: its kind's value). ``text.pack_train_batches`` sets
+them to the MEAN OVER THE ITERATION'S BATCHES, so an example's weight w_b / N_k is the same whatever else its batch
+holds (2 policy rows among 62 critic rows no longer carry the whole of L2), and the iteration's batch losses average
+to the per-token (per-example) mean of each kind over the iteration. A batch packed on its own (``pack_examples``;
+or a batch without them, see ``training.step``) uses its own counts: the iteration is that one batch.
+
+The counts are unweighted (a weight-0 row with targets still counts; padded dummy rows have no targets). Both
+normalisations are linear in the token NLLs: total = Σ_{b,t} c[b,t]·nll[b,t] with coefficients c that depend
+only on the batch's masks and denominators. `loss_coefficients` computes c for the WHOLE batch up front, so gradient
+accumulation over micro-batches (each contributing Σ c·nll over its rows) reproduces the big-batch gradient exactly.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ def shift_targets(input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array
     return labels, tmask
 
 
-def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token") -> tuple[jax.Array, dict]:
+def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token", denom_tokens=None,
+                      denom_examples=None) -> tuple[jax.Array, dict]:
     """Per-token coefficients coef [2, B, T] (coef[k] turns token NLLs into L_k, see the module docstring; indexed
-    like the SHIFTED targets) and counts {critic_tokens, policy_tokens, critic_examples, policy_examples}."""
+    like the SHIFTED targets) and this batch's counts {critic_tokens, policy_tokens, critic_examples,
+    policy_examples}. denom_tokens / denom_examples [B]: N_k / S_k of each row's kind (None: this batch's counts)."""
     if normalisation not in NORMALISATIONS:
         raise ValueError(f"normalisation={normalisation!r}: expected one of {NORMALISATIONS}")
     _, tmask = shift_targets(jnp.zeros(loss_mask.shape, jnp.int32), loss_mask)
@@ -50,9 +57,14 @@ def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token") -> 
         n_tok = jnp.sum(is_k * n_b)
         n_ex = jnp.sum(is_k * (n_b > 0))
         if normalisation == "token":
-            row = w * is_k / jnp.maximum(n_tok, 1.0)
+            d = n_tok if denom_tokens is None else denom_tokens.astype(jnp.float32)
         else:
-            row = w * is_k / jnp.maximum(n_b, 1.0) / jnp.maximum(n_ex, 1.0)
+            d = n_ex if denom_examples is None else denom_examples.astype(jnp.float32)
+        # per-iteration means can be below 1 (one short policy example over four batches); only 0 is guarded,
+        # and a row with targets never sees 0 (its own targets are counted)
+        row = w * is_k / jnp.where(d > 0, d, 1.0)
+        if normalisation == "sequence":
+            row = row / jnp.maximum(n_b, 1.0)
         coefs.append(row[:, None] * tmask)
         stats[f"{name}_tokens"] = n_tok
         stats[f"{name}_examples"] = n_ex

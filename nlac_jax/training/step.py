@@ -23,18 +23,37 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nlac_jax import models, sharding, xla_options
+from nlac_jax import models, sharding, text, xla_options
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
 from nlac_jax.training import loss as loss_lib
 from nlac_jax.training.optim import Optimizer, make_optimizer
 from nlac_jax.training.state import TrainState, state_shardings
 
-BATCH_KEYS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight")
+BATCH_KEYS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight", "denom_tokens",
+              "denom_examples")
 _BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions": np.int32,
-                 "loss_mask": np.float32, "kind": np.int32, "weight": np.float32}
+                 "loss_mask": np.float32, "kind": np.int32, "weight": np.float32, "denom_tokens": np.float32,
+                 "denom_examples": np.float32}
+_DENOM_KEYS = ("denom_tokens", "denom_examples")
+
 METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples",
                "num_tokens", "grad_norm", "learning_rate", "skipped", "skipped_total", "consecutive_skips", "step")
+
+
+def _with_denominators(batch: Mapping) -> dict:
+    """The host batch with its loss denominators: a batch without them (built by hand, not by text.pack_*) is its
+    own iteration, so they are its own counts (text.kind_counts, as the loss counts). Needs the WHOLE batch."""
+    batch = dict(batch)
+    missing = [k for k in _DENOM_KEYS if k not in batch]
+    if len(missing) == 1:
+        raise KeyError(f"train batch has {[k for k in _DENOM_KEYS if k in batch]} but not {missing}")
+    if missing:
+        if any(isinstance(batch[k], jax.Array) for k in ("loss_mask", "kind")):
+            raise KeyError(f"train batch of jax.Arrays is missing {list(_DENOM_KEYS)} (text.share_loss_denominators)")
+        lm, kind = np.asarray(batch["loss_mask"]), np.asarray(batch["kind"])
+        batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind), kind)
+    return batch
 
 
 class NonFiniteError(FloatingPointError):
@@ -80,7 +99,8 @@ def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc:
 
     info: l1, l2 and the per-kind counts of loss_lib.loss_coefficients, plus num_tokens (real tokens in the batch).
     """
-    coef, counts = loss_lib.loss_coefficients(batch["loss_mask"], batch["kind"], batch["weight"], sc.normalisation)
+    coef, counts = loss_lib.loss_coefficients(batch["loss_mask"], batch["kind"], batch["weight"], sc.normalisation,
+                                              batch["denom_tokens"], batch["denom_examples"])
     labels, _ = loss_lib.shift_targets(batch["input_ids"], batch["loss_mask"])
     data = {"input_ids": batch["input_ids"], "positions": batch["positions"],
             "attention_mask": batch["attention_mask"], "labels": labels, "coef": coef.swapaxes(0, 1)}  # coef [B,2,T]
@@ -220,6 +240,8 @@ class TrainStep:
         """Validate and convert a host batch (dict or PackedBatch) to the contract dtypes."""
         if hasattr(batch, "as_dict"):
             batch = batch.as_dict()
+        if jax.process_count() == 1:  # several processes pass their own rows: counts of those would be wrong
+            batch = _with_denominators(batch)
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
@@ -246,6 +268,7 @@ class TrainStep:
         from nlac_jax.distributed import replicated_to_global
         if hasattr(batch, "as_dict"):
             batch = batch.as_dict()
+        batch = _with_denominators(batch)
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
@@ -323,6 +346,7 @@ def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_w
                      out_shardings=(NamedSharding(mesh, P()), ps, NamedSharding(mesh, P())))
 
     def run(params, batch):
+        batch = _with_denominators(batch.as_dict() if hasattr(batch, "as_dict") else batch)
         batch = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in BATCH_KEYS}
         with sharding.use_mesh(mesh, rules):
             return jitted(jax.device_put(params, ps), batch)
