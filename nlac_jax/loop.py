@@ -298,8 +298,8 @@ class NLACRun:
             self.holder.state = restored.state
             ls = restored.loop_state
             self.start_iteration = int(ls.get("iteration", 0))
-            if "buffer" in ls:
-                self.buffer.load_state_dict(ls["buffer"])
+            if "buffer" in ls:  # the segment index, or (a checkpoint of before segments) every transition in full
+                self.buffer.load_checkpoint(ls["buffer"], restored.files)
             if "cursor" in ls:
                 self.cursor.load_state_dict(ls["cursor"])
             log.info("resumed from %s step %d (iteration %d)", ckpt_dir, restored.step, self.start_iteration)
@@ -483,34 +483,43 @@ class NLACRun:
         m["time/eval"] = time.perf_counter() - t0
         return m
 
-    def _process_state(self, buffer_state: dict) -> dict:
-        """What this process holds of the loop's state, recorded per process index in every checkpoint."""
+    def _process_state(self, buffer_index: dict) -> dict:
+        """What this process holds of the loop's state, recorded per process index in every checkpoint.
+
+        buffer_sha256 covers the buffer's segment index, which lists every live segment with its sha256: equal
+        indices mean equal buffers, and only the new segment was encoded and hashed for it."""
         import hashlib
         import json
-        sha = hashlib.sha256(json.dumps(buffer_state).encode()).hexdigest()
+        sha = hashlib.sha256(json.dumps(buffer_index, sort_keys=True).encode()).hexdigest()
         return {"process_index": self.processes.index, "cursor": self.cursor.state_dict(), "buffer_sha256": sha,
                 "buffer_size": len(self.buffer)}
 
     def save(self, it: int, force: bool = False) -> None:
-        """Checkpoint iteration `it` (collective: every process calls it).
+        """Checkpoint iteration `it` when it is due or `force` (collective: every process calls it).
 
         The replay buffer and the task cursor are the same on every process (the episodes are gathered before
         they enter the buffer, and every process walks the one cursor, see nlac_jax/distributed.py), so they are
         stored once, and every process's own record (index, cursor, buffer checksum) under loop_state['processes'];
-        saving refuses processes whose copies differ. A run may so resume on another number of processes."""
-        buffer_state = self.buffer.state_dict()
-        records = self.processes.allgather_objects(self._process_state(buffer_state))
+        saving refuses processes whose copies differ. A run may so resume on another number of processes.
+        The buffer goes in as segment files (rl.buffer_segments): the transitions and episodes added since the
+        previous checkpoint are the one new file, the older segments are the earlier steps' files."""
+        step, force = it + 1, force or it + 1 == self.loop.iterations
+        if not self.checkpointer.due(step, force):
+            return
+        buffer_index, new_files = self.buffer.checkpoint(f"replay_buffer_step_{step:08d}.jsonl.gz")
+        records = self.processes.allgather_objects(self._process_state(buffer_index))
         for r in records[1:]:  # every process holds every record, so all of them raise together
             for key in ("cursor", "buffer_sha256"):
                 if r[key] != records[0][key]:
                     raise RuntimeError(f"checkpoint at iteration {it + 1}: process {r['process_index']}'s {key} "
                                        f"{r[key]!r} differs from process 0's {records[0][key]!r} (the processes "
                                        f"diverged)")
-        loop_state = {"iteration": it + 1, "buffer": buffer_state, "cursor": self.cursor.state_dict(),
+        loop_state = {"iteration": step, "buffer": buffer_index, "cursor": self.cursor.state_dict(),
                       "process_count": self.processes.count, "processes": records}
-        force = force or it + 1 == self.loop.iterations
-        self.checkpointer.save(self.holder.state, metadata={"env": self.env_name, "iteration": it + 1},
-                               loop_state=loop_state, step=it + 1, force=force)
+        files = {seg["name"]: seg["sha256"] for seg in buffer_index["segments"]}
+        files.update(new_files)
+        self.checkpointer.save(self.holder.state, metadata={"env": self.env_name, "iteration": step},
+                               loop_state=loop_state, step=step, force=force, files=files)
 
 
 # ----------------------------------------------------------------------------- the run's files

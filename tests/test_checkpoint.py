@@ -380,3 +380,48 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
                                        f"run has 32 ")
     finally:
         gin.clear_config()
+
+
+def test_step_files_are_shared_verified_and_collected(setup, tmp_path, caplog):
+    """Files beside the orbax steps (the replay buffer's segments): a step writes only its new files and lists the
+    older ones by sha256; restore returns every file of the step, verified; a damaged file makes its step fall
+    back with one line naming the file; a file is deleted once no kept step lists it."""
+    import hashlib
+    s = setup
+    abstract = training.abstract_train_state(CFG, s["mesh_a"], s["opt"])
+    state = training.create_train_state(CFG, s["mesh_a"], s["opt"], seed=6)
+    sha = {n: hashlib.sha256(n.encode() * 50).hexdigest() for n in ("seg_a", "seg_b", "seg_c")}
+    data = {n: n.encode() * 50 for n in sha}
+    files_dir = os.path.join(str(tmp_path), ckpt_lib.FILES_DIR)
+    with training.Checkpointer(str(tmp_path), save_every=1, keep=2) as ckpt:
+        assert ckpt.due(1) and not training.Checkpointer(str(tmp_path), save_every=2, keep=2).due(3)
+        ckpt.save(state, step=1, loop_state={"it": 1}, files={"seg_a": data["seg_a"]})
+        ckpt.save(state, step=2, loop_state={"it": 2}, files={"seg_a": sha["seg_a"], "seg_b": data["seg_b"]})
+        r = ckpt.restore(abstract)
+        assert r.step == 2 and r.files == {"seg_a": data["seg_a"], "seg_b": data["seg_b"]}
+        assert r.metadata["files"] == {"seg_a": sha["seg_a"], "seg_b": sha["seg_b"]}
+        # step 3 no longer needs seg_a; steps 2 and 3 are kept (keep=2), and step 2 still lists it
+        ckpt.save(state, step=3, loop_state={"it": 3}, files={"seg_b": sha["seg_b"], "seg_c": data["seg_c"]})
+        ckpt.wait()
+        assert sorted(ckpt_lib._list_files(files_dir)) == ["seg_a", "seg_b", "seg_c"]
+        ckpt.save(state, step=4, loop_state={"it": 4}, files={"seg_c": sha["seg_c"]})
+        ckpt.wait()  # steps 3, 4 kept: seg_a is listed by no kept step
+        assert ckpt.all_steps() == [3, 4] and ckpt_lib._list_files(files_dir) == ["seg_b", "seg_c"]
+        for bad in ("../x", "a/b", ".."):
+            with pytest.raises(ValueError, match="checkpoint file name"):
+                ckpt.save(state, step=5, files={bad: b"no"})
+
+    # a damaged file fails the steps that list it: seg_d, new in step 5, sends the restore back to step 4
+    with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
+        ckpt.save(state, step=5, loop_state={"it": 5}, files={"seg_c": sha["seg_c"], "seg_d": b"d" * 100})
+    with open(os.path.join(files_dir, "seg_d"), "r+b") as f:
+        f.write(b"x")
+    with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
+        caplog.clear()
+        r = ckpt.restore(abstract)
+        _one_warning(caplog, "step 5 is corrupt (file seg_d does not match its checksum)", "restored step 4")
+        assert r.step == 4 and r.files == {"seg_c": data["seg_c"]}
+    os.remove(os.path.join(files_dir, "seg_c"))
+    with training.Checkpointer(str(tmp_path), save_every=1, keep=3) as ckpt:
+        with pytest.raises(training.CheckpointRestoreError, match="is missing file seg_c"):
+            ckpt.restore(abstract)

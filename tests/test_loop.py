@@ -182,7 +182,7 @@ def test_sigterm_saves_agreed_iteration_and_resumes(tmp_path, uninterrupted_run)
     assert said == [f"{wd}: stopped by SIGTERM after saving iteration 1 of 2 (checkpoint step 1); rerun the same "
                     f"command to resume"], out[-3000:]
     assert "Traceback" not in out
-    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1"]
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1", "files"]  # files: the buffer's segments
     assert not os.path.isdir(os.path.join(wd, "hf_export"))
 
     res = subprocess.run(_cmd(wd, 2, every5), cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=900)

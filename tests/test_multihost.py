@@ -357,7 +357,7 @@ def test_sigterm_on_one_process_stops_both_at_the_same_iteration(tmp_path, one_p
     assert said == [f"{two}: stopped by SIGTERM after saving iteration 1 of 2 (checkpoint step 1); rerun the same "
                     f"command to resume"]
     assert "stopped by SIGTERM after" not in out["process_1"]  # process 0 alone reports
-    assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1"]
+    assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "files"]  # files: the buffer's segments
 
     resumed = _run({n: (cmd + [every5], env) for n, (cmd, env) in _two_process_jobs(two).items()}, tmp_path)
     assert "resumed from" in resumed["process_0"]

@@ -2,15 +2,21 @@
 
     ckpt = Checkpointer(directory, fingerprint=run_fingerprint(cfg, env="toy"))   # gin: Checkpointer.*
     ckpt.save(state, metadata={...}, loop_state={...})   # saves when step % save_every == 0 (or force=True)
+    ckpt.save(state, ..., files={"new.gz": b"...", "old.gz": "<sha256 of a file an earlier step wrote>"})
     r = ckpt.restore(abstract_train_state(cfg, mesh, opt))   # onto ANY mesh: the abstract state carries shardings
-    r.state, r.metadata, r.loop_state, r.step
+    r.state, r.metadata, r.loop_state, r.step, r.files   # r.files: name -> bytes, verified
     export_hf(out_dir, cfg, state, which="target")       # θ̄ (or "params": θ) as an HF directory
 
 Layout per step (orbax CheckpointManager, one directory per step, written to a temporary path and renamed when
 complete): items 'state' (StandardSave of the TrainState pytree), 'metadata' (JSON: step, mesh, versions, the run
-fingerprint, every array's shape/dtype and content checksum, the loop state's checksum + user metadata),
-'loop_state' (JSON, arbitrary JSON-serialisable dict; {} when not given).
+fingerprint, every array's shape/dtype and content checksum, the loop state's checksum, the step's files and their
+sha256 + user metadata), 'loop_state' (JSON, arbitrary JSON-serialisable dict; {} when not given).
 Every process must call save/restore/wait/close (orbax synchronises and writes once per array shard).
+
+Files (the replay buffer's segments): immutable byte files under `<directory>/files/`, shared by the steps that
+need them, so a step only writes what is new. Process 0 writes a step's new files (atomically, via nlac_jax.fs)
+before the step's orbax save starts, so a committed step never lacks one; every process reads them on restore. A
+file is deleted once no kept step (and no step being written) lists it.
 
 Integrity (nothing lost):
   * save: each array's checksum (`array_checksums`, exact integer arithmetic on the devices, so it does not depend on
@@ -18,6 +24,8 @@ Integrity (nothing lost):
   * after the write completes (at the next save / wait / close / restore) the step is read back and verified;
     only then may older steps be deleted: retention keeps the `keep` newest *verified* steps, so a step that is
     corrupt on disk can never push the last good one out.
+  * the step's files are verified like its arrays: each one's sha256 is in the metadata (new files are read back
+    after writing, every file of a step on restore).
   * restore verifies every array; a step that fails (checksum mismatch, unreadable or truncated file, orbax read
     error) is moved aside to `<step>.corrupt` and the previous step is restored, with one warning line naming the
     step and the first bad array.
@@ -49,6 +57,8 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.training.state import TrainState
 
 ITEMS = ("state", "metadata", "loop_state")
+FILES_DIR = "files"  # under the checkpoint directory; not a step name, so orbax ignores it
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # one flat directory: a listing is one call on any filesystem
 # one line per event (a logged line, not a warnings.warn: that adds the source line and shows once per call site)
 log = logging.getLogger(__name__)
 
@@ -127,6 +137,7 @@ class Restored:
     metadata: dict
     loop_state: dict
     step: int
+    files: dict = dataclasses.field(default_factory=dict)  # name -> bytes, each checked against its sha256
 
 
 def run_fingerprint(cfg: ModelConfig, **settings) -> dict:
@@ -152,6 +163,50 @@ def _json_checked(d: dict | None, what: str) -> dict:
 def _json_sha(d: dict) -> str:
     # orbax's JsonSave writes json.dumps(d); a round trip keeps key order and float values, so this is stable
     return hashlib.sha256(json.dumps(d).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- the step files' I/O
+# Through the one filesystem layer (nlac_jax.fs): local paths and gs:// alike.
+def _write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` atomically (a reader never sees a torn file)."""
+    fs.makedirs(fs.dirname(path))
+    fs.write_atomic(path, data)
+
+
+def _read_bytes(path: str) -> bytes:
+    return fs.read_bytes(path)
+
+
+def _list_files(root: str) -> list[str]:
+    """The names of the files in directory `root` ([] when it does not exist)."""
+    try:
+        return fs.listdir(root)
+    except FileNotFoundError:
+        return []
+
+
+def _remove(path: str) -> None:
+    try:
+        fs.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _checked_files(files) -> dict:
+    """name -> bytes | sha256 hex, with each name a plain file name (letters, digits, '_', '-', '.')."""
+    files = dict(files or {})
+    for name, v in files.items():
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"checkpoint file name {name!r}: expected a file name of letters, digits, '_', '-' "
+                             f"and '.'")
+        if not isinstance(v, (bytes, str)):
+            raise TypeError(f"checkpoint file {name!r}: expected bytes (write it) or the sha256 of a file an earlier "
+                            f"step wrote, got {type(v).__name__}")
+    return files
 
 
 # ----------------------------------------------------------------------------- array checksums
@@ -321,42 +376,96 @@ class Checkpointer:
                 logging.getLogger(name).addFilter(_NO_SPACE_FILTER)
         self._no_space = False  # a save did not fit: close() only releases orbax's threads
         self._verified: set[int] = set()  # steps read back and found intact (this process's lifetime)
-        self._pending: dict[int, tuple] = {}  # step -> (abstract state, checksums, loop_state sha) until verified
+        # step -> (abstract state, checksums, loop_state sha, its new files' sha256) until verified
+        self._pending: dict[int, tuple] = {}
+        self._files_of_step: dict[int, dict] = {}  # step -> its files (name -> sha256), as far as known
+        self._protected: set[str] = set()  # the files of the step being saved: never collected meanwhile
+
+    @property
+    def files_directory(self) -> str:
+        return fs.join(self.directory, FILES_DIR)
+
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `save(..., step=step, force=force)` would write a checkpoint (the interval policy)."""
+        return bool(force) or self._mngr.should_save(int(step))
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, metadata: dict | None = None, loop_state: dict | None = None,
-             step: int | None = None, force: bool = False) -> bool:
-        """Save `state` (+ JSON `metadata`, + JSON `loop_state`) under `step` (default: int(state.step)).
+             step: int | None = None, force: bool = False, files: dict | None = None) -> bool:
+        """Save `state` (+ JSON `metadata`, + JSON `loop_state`, + `files`) under `step` (default: int(state.step)).
 
-        Returns whether a checkpoint was started (False when the interval says no and not `force`)."""
+        files: the byte files this step needs, name (a plain file name) -> bytes for a file to write now (the same on
+        every process; process 0 writes it) or -> the sha256 hex of a file an earlier step wrote. Every process
+        must pass the same names and contents. Returns whether a checkpoint was started (False when the interval
+        says no and not `force`)."""
         step = int(state.step) if step is None else int(step)
         if not force and not self._mngr.should_save(step):
             return False
         user_meta = _json_checked(metadata, "checkpoint metadata")
         loop_state = _json_checked(loop_state, "loop_state")
+        files = _checked_files(files)
+        self._protected = set(files)
         self._finish_pending()  # the previous step is verified (and old ones collected) before a new write starts
         try:
-            return self._start_save(state, step, user_meta, loop_state, force)
+            return self._start_save(state, step, user_meta, loop_state, force, files)
         except Exception as e:
             self._raise_if_no_space(e, [step])
             raise
 
-    def _start_save(self, state: TrainState, step: int, user_meta: dict, loop_state: dict, force: bool) -> bool:
+    def _start_save(self, state: TrainState, step: int, user_meta: dict, loop_state: dict, force: bool,
+                    files: dict) -> bool:
+        new = {n: v for n, v in files.items() if isinstance(v, bytes)}
+        shas = {n: (_sha256(v) if isinstance(v, bytes) else v) for n, v in files.items()}
+        self._write_files(step, new)
         sums = array_checksums(state)
         meta = {"step": step, "time": time.time(), "jax_version": jax.__version__,
                 "num_devices": jax.device_count(), "mesh": _mesh_of(state)}
         meta.update(user_meta)
         meta.update({"fingerprint": self.fingerprint, "layout": _layout(state), "checksums": sums,
-                     "loop_state_sha256": _json_sha(loop_state)})
+                     "loop_state_sha256": _json_sha(loop_state), "files": shas})
         started = self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             metadata=ocp.args.JsonSave(meta),
             loop_state=ocp.args.JsonSave(loop_state)), force=force)
         if started:
-            self._pending[step] = (_abstract_of(state), sums, meta["loop_state_sha256"])
+            self._files_of_step[step] = shas
+            self._pending[step] = (_abstract_of(state), sums, meta["loop_state_sha256"], {n: shas[n] for n in new})
             if not self.async_save:
                 self._finish_pending()
         return started
+
+    def _write_files(self, step: int, new: dict) -> None:
+        """Process 0 writes the step's new files; every process raises the same one line if that failed."""
+        err = None
+        if jax.process_index() == 0:
+            for name, data in new.items():
+                try:
+                    _write_bytes(fs.join(self.files_directory, name), data)
+                except OSError as e:
+                    err = f"{name}: {_one_line(e)}"
+                    break
+        if not _all_ok(err is None):
+            raise OSError(f"checkpoint step {step}: could not write file {err or '(on process 0)'} under "
+                          f"{self.files_directory}; the older steps are kept")
+
+    def _check_files(self, step: int, shas: dict, everyone: bool) -> dict:
+        """name -> bytes of the files `shas` (name -> sha256) lists, each checked; _StepBad (on every process) when
+        one is missing, unreadable or altered. everyone: every process reads them (restore), else process 0."""
+        out, why = {}, None
+        if everyone or jax.process_index() == 0:
+            for name in sorted(shas):
+                try:
+                    data = _read_bytes(fs.join(self.files_directory, name))
+                except OSError as e:
+                    why = f"is missing file {name} ({_one_line(e)})"
+                    break
+                if _sha256(data) != shas[name]:
+                    why = f"is corrupt (file {name} does not match its checksum)"
+                    break
+                out[name] = data
+        if not _all_ok(why is None):
+            raise _StepBad(why or "has a bad file (seen on another process)")
+        return out
 
     def _raise_if_no_space(self, e: BaseException, steps) -> None:
         """CheckpointSpaceError (one line) instead of `e` when `e` says the disk or bucket is full."""
@@ -379,10 +488,11 @@ class Checkpointer:
             self._raise_if_no_space(e, list(self._pending))
             raise
         for step in sorted(self._pending):
-            abstract, sums, loop_sha = self._pending.pop(step)
+            abstract, sums, loop_sha, new_files = self._pending.pop(step)
             try:
                 if self.verify_after_write:
                     self._read_back(step, abstract, sums, loop_sha)
+                    self._check_files(step, new_files, everyone=False)
             except _StepBad as e:
                 moved = self._move_aside([step])
                 log.warning("checkpoint step %d in %s %s when read back after writing; moved to %s, the older "
@@ -474,12 +584,14 @@ class Checkpointer:
             raise _StepBad(f"has an unreadable loop state ({e})") from None
         if "loop_state_sha256" in meta and _json_sha(loop_state) != meta["loop_state_sha256"]:
             raise _StepBad("is corrupt (the loop state does not match its checksum)")
+        files = self._check_files(s, meta.get("files") or {}, everyone=True)
+        self._files_of_step[s] = dict(meta.get("files") or {})
         if sums is not None:
             self._verified.add(s)  # read back in full: as good as a verification after writing
         else:
             log.warning("checkpoint step %d in %s has no checksums (written by an older version): restored "
                         "unverified", s, self.directory)
-        return Restored(state=state, metadata=meta, loop_state=loop_state, step=s)
+        return Restored(state=state, metadata=meta, loop_state=loop_state, step=s, files=files)
 
     def _check_matches(self, s: int, meta: dict, abstract_state) -> None:
         """CheckpointMismatchError (one line) if step `s` was written for another run than this one."""
@@ -580,19 +692,39 @@ class Checkpointer:
         return moved
 
     def _collect_garbage(self) -> None:
-        """Delete every step older than the `keep`-th newest verified one (nothing while fewer are verified)."""
-        if self.keep is None:
-            return
+        """Delete every step older than the `keep`-th newest verified one (nothing while fewer are verified), then
+        every file that no remaining step lists."""
         self._mngr.reload()
         steps = self.all_steps()
         verified = [s for s in steps if s in self._verified]
-        if len(verified) < self.keep:
-            return
-        floor = verified[-self.keep]
+        if self.keep is not None and len(verified) >= self.keep:
+            floor = verified[-self.keep]
+            for s in steps:
+                if s < floor:
+                    self._mngr.delete(s)
+                    self._verified.discard(s)
+                    self._files_of_step.pop(s, None)
+            steps = [s for s in steps if s >= floor]
+        self._collect_files(steps)
+
+    def _collect_files(self, steps: list[int]) -> None:
+        """Process 0 deletes the files under files/ that none of `steps`, the steps in flight and the step being
+        saved lists (a step whose metadata cannot be read keeps every file)."""
+        needed = set(self._protected)
         for s in steps:
-            if s < floor:
-                self._mngr.delete(s)
-                self._verified.discard(s)
+            if s not in self._files_of_step:
+                try:
+                    self._files_of_step[s] = dict(self._restore_json(s, "metadata").get("files") or {})
+                except (_StepBad, AttributeError):
+                    return  # an unreadable step: collect nothing now (restore deals with it)
+            needed.update(self._files_of_step[s])
+        for entry in self._pending.values():
+            needed.update(entry[3])
+        if jax.process_index() != 0:
+            return
+        for name in _list_files(self.files_directory):  # a killed writer's temporary file goes too
+            if name not in needed:
+                _remove(fs.join(self.files_directory, name))
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
