@@ -182,6 +182,21 @@ def read_text(path, encoding: str = "utf-8") -> str:
     return read_bytes(path).decode(encoding)
 
 
+def read_jsonl(path) -> list[tuple[int, object]]:
+    """(1-based line number, decoded value) for every non-blank line of a JSON-lines file; ValueError naming the
+    file and line of the first one that is not valid JSON."""
+    import json
+    rows = []
+    for n, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+    return rows
+
+
 def read_range(path, start: int, end: int) -> bytes:
     """Bytes [start, end) of the file: on gs:// one ranged GET, so a reader fetches only what it needs."""
     if end <= start:

@@ -12,7 +12,6 @@ metrics line, an unwritable --out); --debug shows the full traceback instead of 
 from __future__ import annotations
 
 import io
-import json
 import math
 import sys
 
@@ -38,13 +37,7 @@ def read_metrics(workdir: str) -> list[dict]:
     if not fs.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics file (run nlac_jax.train with --workdir {workdir} first)")
     rows = []
-    for n, line in enumerate(fs.read_text(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+    for n, row in fs.read_jsonl(path):
         if not isinstance(row, dict) or "iteration" not in row:
             raise ValueError(f"{path} line {n}: expected a JSON object with an 'iteration'")
         rows.append(row)

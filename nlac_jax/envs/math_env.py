@@ -6,7 +6,6 @@ answer grader (extraction, normalisation, bounded equivalence checks) lives in `
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -41,14 +40,8 @@ def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> 
     if not fs.isfile(path):
         raise FileNotFoundError(f"math JSONL not found: {path}")
     tasks = []
-    for ln, line in enumerate(fs.read_text(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{ln}: invalid JSON ({e})") from None
-        if 'problem' not in row:
+    for ln, row in fs.read_jsonl(path):
+        if not isinstance(row, dict) or 'problem' not in row:
             raise ValueError(f"{path}:{ln}: missing key 'problem'")
         answer = row.get('answer')
         if answer is None and 'solution' in row:
