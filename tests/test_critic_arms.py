@@ -18,6 +18,9 @@ from nlac_jax.rl import ReplayBuffer
 from nlac_jax.roles import ScriptedRoleSampler, served_params
 
 PS = PromptSet(task="toy")
+# summaries that START with their Outcome line (the learned-critic experiment's set): the scored critic metrics need
+# them; PS's summaries end with it, so it gets no scored pairs (asserted below)
+PS_FIRST = PromptSet(task="toy", prompt_set="toy_forecast")
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -233,7 +236,9 @@ def test_brier_by_hand():
 
 
 def _ep(task_id, actions, success):
-    state = [{"role": "user", "content": f"Guess for {task_id}."}]
+    from nlac_jax.envs import toy
+    state = [{"role": "system", "content": toy.SYSTEM_PROMPT.format(n=8, turns=4)},
+             {"role": "user", "content": toy.FIRST_USER.format(n=8)}]
     trs = []
     for i, a in enumerate(actions):
         last = i == len(actions) - 1
@@ -267,7 +272,7 @@ def test_critic_score_metrics_by_hand_and_under_the_frozen_routing():
     eps = [_ep("a", ["zz11", "zz22"], True), _ep("b", ["zz33"], False), _ep("c", ["zz44", "zz55"], False)]
     p_of = {"zz11": 0.9, "zz22": 0.6, "zz33": 0.7, "zz44": 0.2, "zz55": 0.6}
     s = ScriptedRoleSampler(scores=_scores_by_action(p_of))
-    m = evaluation.critic_score_metrics(eps, s, PS)
+    m = evaluation.critic_score_metrics(eps, s, PS_FIRST)
     # positives (episode a): 0.9, 0.6; negatives: 0.7, 0.2, 0.6 -> pairs won: 0.9 beats 3; 0.6 beats 0.2, ties 0.6
     assert m["critic_n"] == 5
     assert m["critic_auc"] == pytest.approx((3 + 1 + 0.5) / 6)
@@ -276,12 +281,15 @@ def test_critic_score_metrics_by_hand_and_under_the_frozen_routing():
     assert m["critic_base_rate"] == pytest.approx(0.4) and m["critic_brier_base"] == pytest.approx(0.24)
     # the frozen critic's evaluation reads the frozen set: every p = 0.5 here
     with s.routing({"successor": "frozen"}, {"frozen": None}):
-        mf = evaluation.critic_score_metrics(eps, s, PS)
+        mf = evaluation.critic_score_metrics(eps, s, PS_FIRST)
     assert mf["critic_auc"] == 0.5 and mf["critic_brier"] == pytest.approx(0.25)
     assert {c.served for c in s.score_calls} == {"policy", "frozen"}
     # a sampler without scores reports nothing, it does not crash
-    none = evaluation.critic_score_metrics(eps, ScriptedRoleSampler(), PS)
+    none = evaluation.critic_score_metrics(eps, ScriptedRoleSampler(), PS_FIRST)
     assert none["critic_n"] == 0 and math.isnan(none["critic_auc"])
+    # a prompt set whose summaries end with their Outcome line is not scored (the first tokens say nothing of it)
+    last = evaluation.critic_score_metrics(eps, s, PS)
+    assert not PS.outcome_first and PS_FIRST.outcome_first and last["critic_n"] == 0
 
 
 # ------------------------------------------------------------------------------------------ scoring path
@@ -336,6 +344,7 @@ def test_nlql_distils_the_candidate_with_the_highest_scored_value():
     cands = ["3", "5", "3", "7"]
     roles = ScriptedRoleSampler({"policy": lambda m, j: cands[j]}, scores=scores)
     run = _fake_run(roles, critic=0, policy=2)
+    run.prompts = PS_FIRST  # scored values need summaries that start with their Outcome line
     _, trs = _toy_episode(6, [4, 6])
     m = {}
     learner = arms.make_learner("nlql", run)
@@ -419,13 +428,13 @@ def test_evaluate_reports_the_critic_scores_of_the_held_out_episodes():
     # the policy always guesses 4: it wins on target 4 and loses on target 2; the critic says P(success) = 0.8
     roles = ScriptedRoleSampler({"policy": "4"}, scores=lambda m, c, served: math.log(
         0.8 if c == critic_scores.SUCCESS_CONTINUATION else 0.2))
-    m, eps = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0)
+    m, eps = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS_FIRST, calibration_transitions=0)
     y = [e.success for e in eps for _ in e.transitions]
     assert True in y and False in y
     assert m["eval/critic_n"] == len(y) and m["eval/critic_auc"] == 0.5  # a constant forecast ranks nothing
     assert m["eval/critic_brier"] == pytest.approx(np.mean([(0.8 - v) ** 2 for v in y]))
     assert m["eval/critic_base_rate"] == pytest.approx(np.mean(y))
-    none, _ = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS, calibration_transitions=0,
+    none, _ = evaluation.evaluate([GuessNumberEnv(n=8)], env_tasks, roles, PS_FIRST, calibration_transitions=0,
                                   score_transitions=0)
     assert "eval/critic_auc" not in none
 
