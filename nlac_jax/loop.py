@@ -607,7 +607,7 @@ def _run(workdir: str) -> list[dict]:
         return []
     r = NLACRun(workdir)  # every start-up check passes before config.gin is (re)written
     r.stop = interrupts.StopRequest.install()
-    writer, closed, preempted = None, False, None
+    writer, closed, preempted, bar = None, False, None, None
     try:
         if main_proc:
             write_config_gin(r.workdir)
@@ -656,6 +656,8 @@ def _run(workdir: str) -> list[dict]:
         writer.close()
         closed = True
     finally:
+        if bar is not None:  # before an error's one line: a bar left open redraws itself after it at exit
+            bar.close()
         r.stop.uninstall()
         if not closed:
             _close_after_error(r, writer)
