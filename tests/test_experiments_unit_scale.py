@@ -79,13 +79,18 @@ def test_make_learner_rejects_unknown_arms():
         arms.make_learner("ppo", None)
 
 
+def _run_unit_scale(gin_file: str, workdir: str, timeout: int):
+    """`python -m nlac_jax.experiments.unit_scale` on one CPU device; asserts it exits 0 and returns the result."""
+    cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale", f"--gin_file={gin_file}", f"--workdir={workdir}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
 def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     workdir = str(tmp_path / "unit")
-    cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale",
-           "--gin_file=gin/experiments/unit_toy_smoke.gin", f"--workdir={workdir}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600)
     table = open(os.path.join(workdir, "results.md")).read()
     for arm in arms.ARMS:
         assert f"| {arm} | 1 |" in table, table
@@ -96,8 +101,7 @@ def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     assert os.path.isfile(os.path.join(workdir, "warm_start", "model.safetensors")) or any(
         n.endswith(".safetensors") for n in os.listdir(os.path.join(workdir, "warm_start")))
     # a rerun resumes: the warm start and every finished (arm, seed) are reused, the table is rewritten
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600)
     progress = open(os.path.join(workdir, "progress.log")).read()
     assert "warm start: reusing" in progress
     assert progress.count("nlac seed 0:") == 1  # not run again
@@ -126,11 +130,7 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
     import json
     from safetensors.numpy import load_file
     workdir = str(tmp_path / "lc")
-    cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale",
-           "--gin_file=gin/experiments/unit_toy_learned_critic_smoke.gin", f"--workdir={workdir}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _run_unit_scale("gin/experiments/unit_toy_learned_critic_smoke.gin", workdir, timeout=1200)
     weights = []
     for seed in (0, 1):
         d = os.path.join(workdir, f"warm_start_seed_{seed}")
