@@ -63,8 +63,11 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
     dense = footprint.bytes_per_chip(state.params)
     assert dense <= theta < 1.05 * dense  # tiles pad the small norm scales and biases only
     assert theta < 4 * cfg.num_params // 2  # really sharded (4 ways where the dims divide)
-    batch_bytes = footprint.bytes_per_chip(batch, compiled.input_formats[0][1])
-    # the executable's arguments are exactly the train state (θ, θ̄, optimiser, counters) and the batch
+    fmts = compiled.input_formats[0][1]
+    # token normalisation never reads S_k (denom_examples), and jit drops an argument nothing reads
+    read = [k for k in batch if k != "denom_examples"]
+    batch_bytes = footprint.bytes_per_chip([batch[k] for k in read], [fmts[k] for k in read])
+    # the executable's arguments are exactly the train state (θ, θ̄, optimiser, counters) and the batch it reads
     assert train.arguments == sb["total"] + batch_bytes
     assert train.aliased >= sb["total"] - 4096  # the donated state is updated in place
 

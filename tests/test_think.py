@@ -114,7 +114,8 @@ def _prompt_texts(sampler):
 @pytest.mark.parametrize("keep", [False, True])
 def test_targets_keep_or_drop_reasoning(keep):
     cfg = TargetConfig(keep_reasoning=keep)
-    sampler = _sampler()
+    # a ~ π is 4 and the refinement 8: a refinement equal to a rejected a would be dropped (tested elsewhere)
+    sampler = _sampler(policy="<think>start low</think>\n\n4")
     critic = build_critic_examples([_transition()], sampler, cfg, PS)[0]
     policy = build_policy_examples([_transition()], sampler, cfg, PS)[0]
     assert not critic.dropped and not policy.dropped
