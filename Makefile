@@ -40,7 +40,7 @@ $(TPU_STAMP): $(STAMP) requirements-tpu.txt
 	touch $(TPU_STAMP)
 
 test: $(STAMP) $(SEQIO_STAMP) $(TPU_STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-20}
-expr=${2:-two_processes_equal_one_process}
+expr=${2:-two_processes_preempted_and_resumed}
 py=${PYTHON:-.venv/bin/python}
 fails=0
 for i in $(seq 1 "$n"); do

@@ -1,7 +1,9 @@
 """Test set-up: 8 simulated CPU devices for mesh tests (must be set before jax is imported)."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from xla_test_flags import xla_flags  # noqa: E402  (tests/ is on sys.path: pytest's rootdir-relative imports)
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,3 +31,14 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", old)
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(tmp_path_factory):
+    """The workdir of one uninterrupted 1-process run (2 devices) of test_multihost's demo config: the reference
+    that every 2-process run (test_multihost, test_gcs_run) must end equal to. Run once per session."""
+    import test_multihost as tm
+    tmp = tmp_path_factory.mktemp("one_process_reference")
+    run = str(tmp / "run")
+    tm._run({"one_process": (tm._cmd(run), tm._env(2))}, tmp)
+    return run

@@ -13,6 +13,7 @@ import pytest
 from nlac_jax.envs.base import Episode, Task, Transition
 from nlac_jax.experiments import arms
 from nlac_jax.nlac.prompts import PromptSet
+from xla_test_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +83,7 @@ def test_make_learner_rejects_unknown_arms():
 def _run_unit_scale(gin_file: str, workdir: str, timeout: int):
     """`python -m nlac_jax.experiments.unit_scale` on one CPU device; asserts it exits 0 and returns the result."""
     cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale", f"--gin_file={gin_file}", f"--workdir={workdir}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res

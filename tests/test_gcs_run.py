@@ -3,8 +3,9 @@ on localhost, SIGKILLed in the middle of iteration 2 and rerun with the same com
 uninterrupted local run; then `evaluate` and `plot` read that gs:// workdir. Nothing may leave 127.0.0.1 (the
 network guard of tests/netguard refuses and records any other address in every Python process).
 
-The local reference is a 1-process run with 2 devices: it builds the same mesh (fsdp=2) as 2 processes of 1 device
-(test_multihost explains why the two are equal).
+The local reference is the session's 1-process run with 2 devices (conftest.one_process_reference, shared with
+test_multihost): it builds the same mesh (fsdp=2) as 2 processes of 1 device (test_multihost explains why the two are
+equal).
 """
 
 import json
@@ -50,15 +51,14 @@ def _two_process_jobs(workdir, env_of, **extra):
             for i in range(2)}
 
 
-def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path):
+def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path, one_process_reference):
     with GcsEmulator(str(tmp_path / "emulator.log")) as gcs:
         gcs.make_bucket(BUCKET)
-        remote, local = f"gs://{BUCKET}/run", str(tmp_path / "local")
+        remote, local = f"gs://{BUCKET}/run", one_process_reference
         marker = tmp_path / "hold"
 
-        # the uninterrupted local run and the gs:// run that will be killed, at once (one wait for both)
-        jobs = {"local": (tm._cmd(local), tm._env(2))}
-        jobs.update(_two_process_jobs(remote, gcs.env, NLAC_TEST_HOLD_AT=HOLD_AT, NLAC_TEST_HOLD_FILE=str(marker)))
+        # the gs:// run that will be killed
+        jobs = _two_process_jobs(remote, gcs.env, NLAC_TEST_HOLD_AT=HOLD_AT, NLAC_TEST_HOLD_FILE=str(marker))
         procs = _start(jobs, tmp_path, "")
         held = [f"{marker}.p{i}" for i in range(2)]
         deadline = time.monotonic() + GUARD_S  # the runs wait at their markers: this only ends a hang
@@ -66,7 +66,7 @@ def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path):
             with gcs.in_process():
                 step1 = fs.join(remote, "checkpoints", "1", "commit_success.txt")
                 while not (all(os.path.exists(h) for h in held) and fs.exists(step1)):
-                    failed = [n for n, p in procs.items() if n != "local" and p.poll() is not None]
+                    failed = [n for n, p in procs.items() if p.poll() is not None]
                     if failed or time.monotonic() > deadline:
                         pytest.fail(f"{failed or 'the runs'} never reached {HOLD_AT} with step 1 saved:\n"
                                     + _log(tmp_path, "process_0.log")[-3000:])
@@ -74,13 +74,11 @@ def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path):
             for name in ("process_0", "process_1"):  # a real kill, in the middle of iteration 2
                 os.killpg(procs[name].pid, signal.SIGKILL)
                 procs[name].wait()
-            procs["local"].wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-        assert procs["local"].returncode == 0, _log(tmp_path, "local.log")[-3000:]
 
         # the same command again (its lock is left by a killed process of this host: no wait)
         out = tm._run(_two_process_jobs(remote, gcs.env), tmp_path, timeout=GUARD_S)
@@ -112,7 +110,8 @@ def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path):
         params = [f"--gin_param={p}" for p in tm.PARAMS]
         ev = [sys.executable, "-m", "nlac_jax.evaluate", "--gin_file=gin/runs/tiny_random_cpu.gin", *params]
         out = tm._run({"eval_gs": (ev + [f"--checkpoint={remote}/checkpoints"], gcs.env(tm._env(2))),
-                       "eval_local": (ev + [f"--checkpoint={local}/checkpoints"], tm._env(2))}, tmp_path,
+                       "eval_local": (ev + [f"--checkpoint={local}/checkpoints",  # the shared reference: read only
+                                            f"--workdir={tmp_path / 'eval_local'}"], tm._env(2))}, tmp_path,
                       timeout=GUARD_S)
         got, want = (json.loads(next(ln for ln in reversed(out[n].splitlines()) if ln.startswith("{")))
                      for n in ("eval_gs", "eval_local"))

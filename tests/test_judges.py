@@ -21,6 +21,7 @@ from nlac_jax.judges.server import JudgeServer
 from nlac_jax.models import building
 from nlac_jax.nlac import evaluation, prompts as prompts_lib
 from nlac_jax.rl import rollout
+from xla_test_flags import xla_flags
 
 HAVE_TAU = importlib.util.find_spec("tau2") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -525,7 +526,7 @@ def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env=one_device)
 
     # one CPU device: no cross-device collectives to wait on when the machine is busy
-    one_device = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    one_device = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     try:
         res = train(fake.url, 3)
     finally:

@@ -13,6 +13,7 @@ import pytest
 
 from nlac_jax import train
 from nlac_jax.models import hf_io
+from xla_test_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -54,7 +55,7 @@ def _cmd(workdir, iterations, extra=()):
 
 def _env(devices=8):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     return env

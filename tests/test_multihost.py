@@ -23,6 +23,7 @@ import pytest
 
 from nlac_jax import distributed
 from nlac_jax.models import hf_io
+from xla_test_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 1500  # a hang guard for the runs of one test (they take ~1-2 minutes on a quiet 2-core machine)
@@ -205,7 +206,7 @@ def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES",
                         "TPU_PROCESS_ADDRESSES")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -266,15 +267,6 @@ def _loop_state(workdir, step):
     raise AssertionError(f"no loop_state JSON under {d}")
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
-    """The 1-process run (2 devices) that every 2-process run below must end equal to."""
-    tmp = tmp_path_factory.mktemp("one")
-    one = str(tmp / "run")
-    _run({"one_process": (_cmd(one), _env(2))}, tmp)
-    return one
-
-
 def _two_process_jobs(workdir: str, **extra) -> dict:
     coord = f"localhost:{_free_port()}"
     return {f"process_{i}": (_cmd(workdir), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
@@ -289,44 +281,17 @@ def _assert_same_export(one: str, two: str) -> None:
         np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
 
 
-def test_two_processes_equal_one_process(tmp_path, one_process_run):
-    """2 demo iterations as 2 processes on localhost == the same run as 1 process with 2 devices: every metric
-    (times and the per-process episode count excepted), the exported θ bit for bit, the checkpointed buffer.
-    No retry: the start-up decides "resume or fresh" once, on process 0 (loop.latest_checkpoint_step), so no
-    barrier depends on what a process saw on the filesystem (benchmarks/repeat_multihost.sh runs it 20 times)."""
-    one, two = one_process_run, str(tmp_path / "two")
-    t0 = time.monotonic()
-    out = _run(_two_process_jobs(two), tmp_path)
-    print(f"runs took {time.monotonic() - t0:.0f} s")
+def test_two_processes_preempted_and_resumed_equal_one_process(tmp_path, one_process_reference):
+    """2 demo iterations as 2 processes on localhost, preempted and resumed, == the same run as 1 process with 2
+    devices (the module docstring says why they are equal).
 
-    assert "process 0 of 2" in out["process_0"]  # jax.distributed really ran with 2 processes
-    ma, mb = _metrics(one), _metrics(two)
-    assert [m["iteration"] for m in mb] == [1, 2]
-    assert mb[0]["collect/episodes_this_process"] == 2 and ma[0]["collect/episodes_this_process"] == 4
-    assert mb[0]["collect/num_episodes"] == 4 and mb[1]["eval/num_episodes"] == 2
-    for x, y in zip(ma, mb):
-        assert sorted(x) == sorted(y)
-        for k in x:
-            if not any(s in k for s in NOT_COMPARED):
-                assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
-
-    _assert_same_export(one, two)
-    assert os.path.isfile(os.path.join(two, "hf_export", "tokenizer.json"))  # written by process 0
-
-    la, lb = _loop_state(one, 2), _loop_state(two, 2)
-    assert la["buffer"] == lb["buffer"] and la["cursor"] == lb["cursor"]
-    assert lb["process_count"] == 2 and [p["process_index"] for p in lb["processes"]] == [0, 1]
-    assert lb["processes"][0]["buffer_sha256"] == lb["processes"][1]["buffer_sha256"]
-
-    # only process 0 reports: its summary table and INFO lines; process 1 says nothing unless something is wrong
-    assert "L1 critic" in out["process_0"] and "L1 critic" not in out["process_1"]
-    assert " INFO " not in out["process_1"], out["process_1"][-2000:]
-
-
-def test_sigterm_on_one_process_stops_both_at_the_same_iteration(tmp_path, one_process_run):
-    """A preemption notice reaches only process 1, during iteration 1 (both held at the start of its train phase):
+    A preemption notice reaches only process 1, during iteration 1 (both held at the start of its train phase):
     both processes finish iteration 1, agree to stop there, save it (checkpoint_every would not) and exit 143 with
-    one line from process 0; the same command resumes both at iteration 1 and ends equal to the 1-process run."""
+    one line from process 0; the same command resumes both at iteration 1 and ends equal to the 1-process run: every
+    metric (times and the per-process episode count excepted), the exported θ bit for bit, the checkpointed buffer.
+    No retry: the start-up decides "resume or fresh" once, on process 0 (loop.latest_checkpoint_step), so no barrier
+    depends on what a process saw on the filesystem, at a fresh start or at a resume
+    (benchmarks/repeat_multihost.sh runs this test 20 times)."""
     two, marker = str(tmp_path / "two"), tmp_path / "hold"
     every5 = "--gin_param=LoopConfig.checkpoint_every = 5"
     jobs = {n: (cmd + [every5], env) for n, (cmd, env) in _two_process_jobs(
@@ -359,12 +324,27 @@ def test_sigterm_on_one_process_stops_both_at_the_same_iteration(tmp_path, one_p
     assert "stopped by SIGTERM after" not in out["process_1"]  # process 0 alone reports
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "files"]  # files: the buffer's segments
 
+    assert "process 0 of 2" in out["process_0"]  # jax.distributed really ran with 2 processes
+
     resumed = _run({n: (cmd + [every5], env) for n, (cmd, env) in _two_process_jobs(two).items()}, tmp_path)
     assert "resumed from" in resumed["process_0"]
-    _assert_same_export(one_process_run, two)
-    ma, mb = _metrics(one_process_run), _metrics(two)
+    _assert_same_export(one_process_reference, two)
+    assert os.path.isfile(os.path.join(two, "hf_export", "tokenizer.json"))  # written by process 0
+    ma, mb = _metrics(one_process_reference), _metrics(two)
     assert [m["iteration"] for m in mb] == [1, 2]
+    assert mb[0]["collect/episodes_this_process"] == 2 and ma[0]["collect/episodes_this_process"] == 4
+    assert mb[0]["collect/num_episodes"] == 4 and mb[1]["eval/num_episodes"] == 2
     for x, y in zip(ma, mb):
+        assert sorted(x) == sorted(y)
         for k in x:
             if not any(s in k for s in NOT_COMPARED):
                 assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
+
+    la, lb = _loop_state(one_process_reference, 2), _loop_state(two, 2)
+    assert la["buffer"] == lb["buffer"] and la["cursor"] == lb["cursor"]
+    assert lb["process_count"] == 2 and [p["process_index"] for p in lb["processes"]] == [0, 1]
+    assert lb["processes"][0]["buffer_sha256"] == lb["processes"][1]["buffer_sha256"]
+
+    # only process 0 reports: its summary table and INFO lines; process 1 says nothing unless something is wrong
+    assert "L1 critic" in resumed["process_0"] and "L1 critic" not in resumed["process_1"]
+    assert " INFO " not in resumed["process_1"], resumed["process_1"][-2000:]
