@@ -253,6 +253,8 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------- driver
+# the warm start's numbers progress.log shows before its seed's arms start
+_HEADLINE = ("eval/success_rate", "eval/critic_auc", "eval/critic_brier", "eval/verdict/accuracy")
 def run_experiment(workdir: str) -> dict:
     """Warm start (cached), every (arm, seed) not yet done, then the table and the plots. Returns the results."""
     import jax
@@ -264,9 +266,8 @@ def run_experiment(workdir: str) -> dict:
     xcfg = UnitScaleConfig()
     with open(os.path.join(workdir, "config.gin"), "w") as f:
         f.write(gin.config_str())
-    warm_dirs = {}
-    for seed in xcfg.seeds:  # every warm start first: a killed run resumes at the arms
-        warm_dirs[seed] = build_warm_start(workdir, xcfg, seed)
+    # seed by seed (warm start, then its arms): a partial run has whole seeds; finished warm starts are reused
+    warm_dirs = {xcfg.seeds[0]: build_warm_start(workdir, xcfg, xcfg.seeds[0])}
     with gin.unlock_config():
         gin.bind_parameter("build_model.model_dir", warm_dirs[xcfg.seeds[0]])
     t0 = time.perf_counter()
@@ -280,6 +281,8 @@ def run_experiment(workdir: str) -> dict:
     seconds: dict = {a: {} for a in xcfg.arms}
     for seed in xcfg.seeds:
         initial = None
+        if seed not in warm_dirs:
+            warm_dirs[seed] = build_warm_start(workdir, xcfg, seed)
         warm_params = shared_params if warm_dirs[seed] == warm_dirs[xcfg.seeds[0]] else _load_params(run, warm_dirs[seed])
         for arm in xcfg.arms:
             out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
@@ -294,6 +297,9 @@ def run_experiment(workdir: str) -> dict:
                 _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
                 initial = run.evaluate(-1)
                 initial.update(probe(run, xcfg))
+                _progress(workdir, f"warm start seed {seed}: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in sorted(initial.items())
+                    if isinstance(v, float) and (k.startswith("probe/") or k in _HEADLINE)))
             t1 = time.perf_counter()
             rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
             secs = time.perf_counter() - t1
