@@ -32,7 +32,14 @@ def leaf_bytes_per_chip(x, layout=None) -> int:
     sh = getattr(x, "sharding", None)
     if sh is not None:
         shape = tuple(sh.shard_shape(shape))
+    itemsize = None
+    import jax
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed PRNG key is stored as its key data
+        shape += tuple(x.dtype._impl.key_shape)  # noqa: SLF001  (threefry: 2 x uint32 per key)
+        itemsize = 4
     tiling = getattr(layout, "tiling", None)
+    if tiling and len(layout.major_to_minor) != len(shape):  # a layout of the key's logical shape: count it dense
+        tiling = None
     if tiling:
         dims = [shape[i] for i in layout.major_to_minor]  # physical order, major first
         tile = tiling[0]
@@ -42,7 +49,7 @@ def leaf_bytes_per_chip(x, layout=None) -> int:
         else:  # a scalar still occupies a whole tile
             dims = list(tile)
         shape = tuple(dims)
-    return int(math.prod(shape)) * np.dtype(x.dtype).itemsize
+    return int(math.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
 
 
 def bytes_per_chip(tree, formats=None) -> int:
