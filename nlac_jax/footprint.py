@@ -54,7 +54,8 @@ def leaf_bytes_per_chip(x, layout=None) -> int:
 
 def bytes_per_chip(tree, formats=None) -> int:
     """Sum of `leaf_bytes_per_chip` over a pytree; `formats`: the matching tree of device formats (from a compiled
-    executable's `input_formats`) for the tiled on-device size, or None for dense bytes."""
+    executable's `input_formats`) for the tiled on-device size (arguments the executable dropped count 0), or None
+    for dense bytes."""
     import jax
     leaves = jax.tree.leaves(tree)
     if formats is None:
@@ -62,7 +63,9 @@ def bytes_per_chip(tree, formats=None) -> int:
     fmts = jax.tree.leaves(formats, is_leaf=lambda f: hasattr(f, "layout"))
     if len(fmts) != len(leaves):
         raise ValueError(f"bytes_per_chip: {len(leaves)} arrays but {len(fmts)} formats")
-    return sum(leaf_bytes_per_chip(x, getattr(f, "layout", None)) for x, f in zip(leaves, fmts))
+    # jit drops an argument nothing reads; its format then has neither layout nor sharding: it is not on the chip
+    return sum(leaf_bytes_per_chip(x, getattr(f, "layout", None)) for x, f in zip(leaves, fmts)
+               if getattr(f, "layout", None) is not None or getattr(f, "sharding", None) is not None)
 
 
 def with_shardings(shapes, shardings):

@@ -30,6 +30,8 @@ SMALL = ["--gin_param=LoopConfig.max_len = 256", "--gin_param=nlac.RoleSampling.
 def _run_cli(argv, capsys):
     try:
         code = cli.run(plan.main, argv, prog=plan.PROG)
+    except SystemExit as e:  # argparse's own errors (one line, cli.ArgumentParser) exit from the parser
+        code = e.code
     finally:
         gin.clear_config()
     out = capsys.readouterr()
