@@ -32,7 +32,14 @@ def leaf_bytes_per_chip(x, layout=None) -> int:
     sh = getattr(x, "sharding", None)
     if sh is not None:
         shape = tuple(sh.shard_shape(shape))
+    itemsize = None
+    import jax
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed PRNG key is stored as its key data
+        shape += tuple(x.dtype._impl.key_shape)  # noqa: SLF001  (threefry: 2 x uint32 per key)
+        itemsize = 4
     tiling = getattr(layout, "tiling", None)
+    if tiling and len(layout.major_to_minor) != len(shape):  # a layout of the key's logical shape: count it dense
+        tiling = None
     if tiling:
         dims = [shape[i] for i in layout.major_to_minor]  # physical order, major first
         tile = tiling[0]
@@ -42,12 +49,13 @@ def leaf_bytes_per_chip(x, layout=None) -> int:
         else:  # a scalar still occupies a whole tile
             dims = list(tile)
         shape = tuple(dims)
-    return int(math.prod(shape)) * np.dtype(x.dtype).itemsize
+    return int(math.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
 
 
 def bytes_per_chip(tree, formats=None) -> int:
     """Sum of `leaf_bytes_per_chip` over a pytree; `formats`: the matching tree of device formats (from a compiled
-    executable's `input_formats`) for the tiled on-device size, or None for dense bytes."""
+    executable's `input_formats`) for the tiled on-device size (arguments the executable dropped count 0), or None
+    for dense bytes."""
     import jax
     leaves = jax.tree.leaves(tree)
     if formats is None:
@@ -55,7 +63,9 @@ def bytes_per_chip(tree, formats=None) -> int:
     fmts = jax.tree.leaves(formats, is_leaf=lambda f: hasattr(f, "layout"))
     if len(fmts) != len(leaves):
         raise ValueError(f"bytes_per_chip: {len(leaves)} arrays but {len(fmts)} formats")
-    return sum(leaf_bytes_per_chip(x, getattr(f, "layout", None)) for x, f in zip(leaves, fmts))
+    # jit drops an argument nothing reads; its format then has neither layout nor sharding: it is not on the chip
+    return sum(leaf_bytes_per_chip(x, getattr(f, "layout", None)) for x, f in zip(leaves, fmts)
+               if getattr(f, "layout", None) is not None or getattr(f, "sharding", None) is not None)
 
 
 def with_shardings(shapes, shardings):

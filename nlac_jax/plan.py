@@ -16,6 +16,19 @@ requirements-tpu.txt compiles TPU executables on a CPU):
     same executables, whose memory is bounded by these;
   - the frozen user / oracle model (`ExternalModel`) when the environment needs one.
 
+The judge server (`python -m nlac_jax.serve`) is planned with --serve and the server's own flags:
+
+    python -m nlac_jax.plan --serve --gin_file=gin/models/qwen2_5_7b.gin --topology=v5p-8 --tensor 4 [--fsdp 1] \
+        --dtype bfloat16 --max_batch 32 --prompt_len 16384 --new_tokens 1024
+
+It reads only the gin model file's `build_model.hf_config` (the server reads the same numbers from config.json), at
+--dtype for weights and compute as the server loads them (`serve.config_overrides`), builds the server's mesh
+(`serve.make_mesh`) and Sampler (`judges.server.make_sampler`), and compiles its prefill and decode at its largest
+bucket (--max_batch rows of --prompt_len prompt and --new_tokens new tokens; more waiting requests reuse those rows by
+continuous batching). It prints the per-chip weights, decode state (KV cache) and each executable's bytes against the
+chip's usable HBM; exit 1 and one line when the peak does not fit. The serve flags mean what they mean to the server
+(they are defined once, in `serve.add_model_flags`); given without --serve they are a usage error.
+
 It prints, per executable, the per-chip bytes XLA reports (arguments, outputs, temporaries, aliased) and the loop's
 peak on a chip (the train state and the external model stay resident while the samplers run), against the chip's
 HBM (nlac_jax/tpu_specs.py); the analytic FLOPs of a train step and of a generated token; and a roofline estimate
@@ -28,6 +41,7 @@ a gin mistake); --debug shows tracebacks (nlac_jax/cli.py).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -47,7 +61,22 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--cpu-devices", "--cpu_devices", dest="cpu_devices", type=cli.int_at_least(1), default=None,
                    metavar="N", help="compile for N simulated CPU devices instead of the TPU topology (no libtpu; "
                                      "the HBM and roofline numbers stay the slice's)")
+    g = p.add_argument_group("--serve: plan the judge server (python -m nlac_jax.serve) instead of the training loop")
+    g.add_argument("--serve", action="store_true",
+                   help="plan `python -m nlac_jax.serve` for the model of --gin_file (its build_model.hf_config) with "
+                        "the serve flags below, which mean what they mean to the server")
+    from nlac_jax import serve
+    serve.add_model_flags(g, defaults=False)
+    g.add_argument("--prompt_len", type=cli.int_at_least(1), default=argparse.SUPPRESS, metavar="TOKENS",
+                   help="longest prompt the server must take (with --serve; required)")
+    g.add_argument("--new_tokens", type=cli.int_at_least(1), default=argparse.SUPPRESS, metavar="TOKENS",
+                   help="largest max_tokens a request sends (with --serve; default: the server's "
+                        "--default_max_tokens)")
     return p
+
+
+# the planner's flags that only --serve reads
+SERVE_FLAGS = ("dtype", "tensor", "fsdp", "max_batch", "prompt_len", "new_tokens")
 
 
 # ----------------------------------------------------------------------------- devices
@@ -110,6 +139,8 @@ class Executable:
     code: int
     resident: int = 0
     shared_args: int = 0
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)  # jax Compiled
+    args: tuple = dataclasses.field(default=None, repr=False, compare=False)  # the abstract arguments it compiled for
 
     @property
     def own_peak(self) -> int:
@@ -137,7 +168,8 @@ def compile_one(name: str, shape: str, lower) -> tuple[Executable, object]:
         raise
     m = compiled.memory_analysis()
     ex = Executable(name, shape, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                    int(m.temp_size_in_bytes), int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
+                    int(m.temp_size_in_bytes), int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes),
+                    compiled=compiled)
     return ex, compiled
 
 
@@ -180,7 +212,8 @@ def sampler_args(cfg, mesh, params, batch: int, prompt: int):
 
 
 def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: int, new: int) -> list[Executable]:
-    """Prefill + decode of `sampler` at bucket (batch, prompt, new) with abstract `params`."""
+    """Prefill + decode of `sampler` at bucket (batch, prompt, new) with abstract `params`; each Executable keeps its
+    compiled object and abstract arguments (decode's: params, the decode state prefill returns, the controls)."""
     import jax
     from nlac_jax import sharding
     args = sampler_args(cfg, mesh, params, batch, prompt)
@@ -190,6 +223,7 @@ def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: 
         st = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), pre_c.out_info,
                           pre_c.output_shardings)
         dec, _ = compile_one(f"{label} decode", shape, lambda: sampler.decode.lower(params, st, args[-1]))
+    pre.args, dec.args = args, (params, st, args[-1])
     return [pre, dec]
 
 
@@ -371,6 +405,151 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     return Plan(slc, where, dict(mesh.shape), cfg, sb, exes, notes, tflops, t_est, dflops, d_est, db)
 
 
+# ----------------------------------------------------------------------------- the judge server's plan (--serve)
+@dataclasses.dataclass
+class ServePlan:
+    """What `plan --serve` found for `python -m nlac_jax.serve` (the table is `report()`). Per-chip bytes, in the
+    device layouts of the compiled decode: weights (its first argument), decode state (the KV cache and the rows'
+    buffers prefill returns) and the sampling controls; decode's arguments are exactly these three."""
+
+    slice: tpu_specs.Slice
+    where: str
+    mesh_shape: dict
+    flags: str
+    cfg: object
+    weights: int
+    decode_state: int
+    kv_cache: int
+    controls: int
+    executables: list
+    notes: list
+    decode_flops_per_token: float
+    decode_est: object
+    decode_batch: int
+
+    @property
+    def hbm(self) -> int:
+        return self.slice.chip.usable_hbm_bytes
+
+    @property
+    def peak(self) -> Executable:
+        """The weights are every executable's argument, so each one's own peak is the server's peak meanwhile."""
+        return max(self.executables, key=lambda e: e.own_peak)
+
+    def report(self) -> str:
+        from nlac_jax.footprint import fmt_bytes
+        c, chip = self.cfg, self.slice.chip
+        lines = [
+            f"serve plan: {self.slice.name} ({self.slice.chips} chips, {fmt_bytes(chip.hbm_bytes)} HBM of which "
+            f"programs get {fmt_bytes(self.hbm)}; {chip.source}), compiled for {self.where}",
+            f"server: python -m nlac_jax.serve {self.flags}; mesh {self.mesh_shape}",
+            f"model: {c.model_type} {c.num_params / 1e9:.3g}B params, {c.num_layers} layers, {c.num_heads} heads / "
+            f"{c.num_kv_heads} KV heads of {c.head_dim}, weights and compute {c.param_dtype}",
+            f"per chip: weights {fmt_bytes(self.weights)}, decode state {fmt_bytes(self.decode_state)} (KV cache "
+            f"{fmt_bytes(self.kv_cache)}), sampling controls {fmt_bytes(self.controls)}",
+            "",
+            "| executable | shape | arguments | outputs | temporaries | aliased | peak | usable HBM | fits |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in self.executables:
+            lines.append(f"| {e.name} | {e.shape} | {fmt_bytes(e.arguments)} | {fmt_bytes(e.outputs)} | "
+                         f"{fmt_bytes(e.temporaries)} | {fmt_bytes(e.aliased)} | {fmt_bytes(e.own_peak)} | "
+                         f"{fmt_bytes(self.hbm)} | {'yes' if e.own_peak <= self.hbm else 'NO'} |")
+        p = self.peak
+        lines += [
+            "",
+            f"server peak per chip: {fmt_bytes(p.own_peak)} of {fmt_bytes(self.hbm)} "
+            f"({100 * p.own_peak / self.hbm:.0f}%) during {p.name}",
+            f"decode: {self.decode_flops_per_token:.3e} FLOPs per generated token (analytic, full cache); roofline "
+            f"estimate {self.decode_batch / self.decode_est.seconds:,.0f} tokens/s at B={self.decode_batch} "
+            f"({self.decode_est.bound}-bound, estimate)",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise DoesNotFit (one line) when the server's peak exceeds a chip's usable HBM."""
+        from nlac_jax.footprint import fmt_bytes
+        p = self.peak
+        if p.own_peak > self.hbm:
+            raise DoesNotFit(
+                f"does not fit: {p.name} ({p.shape}) needs {fmt_bytes(p.own_peak)} per chip (weights "
+                f"{fmt_bytes(self.weights)}, decode state {fmt_bytes(self.decode_state)}, temporaries "
+                f"{fmt_bytes(p.temporaries)}), a program may use {fmt_bytes(self.hbm)} of a {self.slice.name} chip: "
+                f"over by {fmt_bytes(p.own_peak - self.hbm)}")
+
+
+def serve_config(hf_config: dict, dtype: str, source: str):
+    """The ModelConfig the server builds from this config.json content at --dtype (serve.config_overrides)."""
+    from nlac_jax import models, serve
+    return models.ModelConfig.from_hf_dict(dict(hf_config), source=source, **serve.config_overrides(dtype))
+
+
+def make_serve_plan(slc: tpu_specs.Slice, devices, where: str, cfg, *, tensor: int, fsdp: int, max_batch: int,
+                    prompt_len: int, new_tokens: int, source: str = "the model config") -> ServePlan:
+    """Compile the server's prefill and decode at its largest bucket (`max_batch` rows of `prompt_len` prompt and
+    `new_tokens` new tokens) on `devices`, with abstract weights of `cfg` (serve_config) sharded as the server shards
+    them: the server's own mesh (serve.make_mesh) and Sampler (judges.server.make_sampler)."""
+    from nlac_jax import footprint, models, serve, sharding
+    from nlac_jax.judges import server
+    serve.check_tensor(cfg, tensor, source)
+    context = cfg.max_position_embeddings
+    if prompt_len + new_tokens > context:  # the server refuses such a request (HTTP 400): nothing to plan
+        raise cli.UsageError(f"--prompt_len {prompt_len} + --new_tokens {new_tokens} = {prompt_len + new_tokens} "
+                             f"exceeds the model's context of {context} tokens ({source}: max_position_embeddings)")
+    notes = []
+    mesh = serve.make_mesh(tensor, fsdp, devices)
+    if mesh is None:  # the server then uses one device without a mesh; a 1-device mesh holds the same bytes
+        mesh = sharding.make_mesh(data=1, fsdp=1, tensor=1, devices=list(devices)[:1])
+    if tensor * fsdp < len(devices):
+        notes.append(f"the server uses {tensor * fsdp} of the {len(devices)} devices (the first ones)")
+    if cfg.num_kv_heads % tensor:
+        notes.append(f"{cfg.num_kv_heads} KV heads do not split over --tensor {tensor}: the KV projections and "
+                     f"cache are replicated on the tensor devices")
+    sampler = server.make_sampler(cfg, mesh)
+    bb, tb, nb = sampler.buckets(max_batch, prompt_len, new_tokens)
+    params = footprint.with_shardings(models.abstract_params(cfg), models.param_shardings(cfg, mesh))
+    exes = compile_sampler("serve", sampler, cfg, mesh, params, bb, tb, nb)
+    dec = exes[1]
+    fmts = dec.compiled.input_formats[0]  # (params, decode state, controls) as the chip stores them (tiled)
+    _, st, ctl = dec.args
+    weights = footprint.bytes_per_chip(params, fmts[0])
+    state = footprint.bytes_per_chip(st, fmts[1])
+    kv = footprint.bytes_per_chip(st.cache, fmts[1].cache)
+    controls = footprint.bytes_per_chip(ctl, fmts[2])
+    notes.append(f"more than {bb} waiting requests are decoded by continuous batching: finished rows are refilled a "
+                 f"few prompts at a time by a refill executable smaller than this prefill; smaller calls use smaller "
+                 f"buckets of the same executables")
+    cache = tb + nb
+    chips = tensor * fsdp
+    dflops = footprint.decode_flops_per_token(cfg, cache)
+    d_est = footprint.roofline(bb * dflops, footprint.decode_step_hbm_bytes(cfg, mesh, bb, cache, cfg.param_dtype),
+                               chips, slc.chip.peak_bf16_flops, slc.chip.hbm_bandwidth)
+    flags = f"--dtype {cfg.param_dtype} --tensor {tensor} --fsdp {fsdp} --max_batch {max_batch}"
+    return ServePlan(slc, where, dict(mesh.shape), flags, cfg, weights, state, kv, controls, exes, notes, dflops,
+                     d_est, bb)
+
+
+def _serve_plan(flags, slc, devices, where) -> ServePlan:
+    """make_serve_plan for the CLI's flags: the model of the gin files' build_model.hf_config, the serve flags'
+    values, or the server's own defaults for those not given."""
+    from nlac_jax import serve
+    source = f"{', '.join(flags.gin_file)}: build_model.hf_config"
+    hf = _bound("build_model.hf_config", None)
+    if not isinstance(hf, dict):
+        raise cli.UsageError(f"--serve: {', '.join(flags.gin_file)} bind no build_model.hf_config (the model's "
+                             f"config.json fields; the gin model files in gin/models/ carry them)")
+    defaults = serve.build_parser()
+    v = {k: getattr(flags, k, None) for k in SERVE_FLAGS}
+    for k in ("dtype", "tensor", "fsdp", "max_batch"):
+        v[k] = defaults.get_default(k) if v[k] is None else v[k]
+    if v["new_tokens"] is None:
+        v["new_tokens"] = defaults.get_default("default_max_tokens")
+    cfg = serve_config(hf, v["dtype"], source)
+    return make_serve_plan(slc, devices, where, cfg, tensor=v["tensor"], fsdp=v["fsdp"], max_batch=v["max_batch"],
+                           prompt_len=v["prompt_len"], new_tokens=v["new_tokens"], source=source)
+
+
 def _bound(name: str, default):
     import gin
     try:
@@ -383,6 +562,12 @@ def _bound(name: str, default):
 def main(argv=None) -> int:
     """The planner CLI (module docstring); errors propagate (run it through `cli.run` for one-line errors)."""
     flags = build_parser().parse_args(argv)
+    given = [k for k in SERVE_FLAGS if hasattr(flags, k)]
+    if given and not flags.serve:
+        raise cli.UsageError(f"--{given[0]} plans the judge server: add --serve (the training plan takes its sizes "
+                             f"from the gin files)")
+    if flags.serve and not hasattr(flags, "prompt_len"):
+        raise cli.UsageError("--serve needs --prompt_len TOKENS: the longest prompt the server must take")
     try:
         slc = tpu_specs.parse_slice(flags.topology)
     except tpu_specs.TopologyError as e:
@@ -398,7 +583,7 @@ def main(argv=None) -> int:
     for macro, stand_in in (("JUDGE_URL", "'http://judge.invalid/v1'"), ("JUDGE_MODEL", "'judge'")):
         if not any(re.match(rf"\s*{macro}\s*=", b) for b in params):  # planning never calls the judge endpoint
             params.insert(0, f"{macro} = {stand_in}")
-    train.load_gin(flags.gin_file, params, check_mesh=False)
+    train.load_gin(flags.gin_file, params, check_mesh=False, check_run=not flags.serve)
     if flags.cpu_devices is not None:
         devices, where = cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"
     else:
@@ -406,7 +591,10 @@ def main(argv=None) -> int:
         # compile-only TPU executables cannot be read back from the persistent cache (no TPU client to load them)
         jax.config.update("jax_enable_compilation_cache", False)
         devices, where = topology_devices(slc), f"TPU topology {slc.topology_name}"
-    plan = make_plan(slc, devices, where)
+    if flags.serve:
+        plan = _serve_plan(flags, slc, devices, where)
+    else:
+        plan = make_plan(slc, devices, where)
     print(plan.report(), flush=True)
     plan.check()
     return 0

@@ -10,7 +10,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions`` (temperature, top_p
 
 A judge-sized model: ``--dtype bfloat16`` stores and computes in bfloat16 (norms, softmax and RoPE stay float32);
 ``--tensor N --fsdp M`` shards the weights over a (1, M, N) mesh of the first N x M devices (tensor: heads and MLP
-columns; fsdp: the other weight axis and the batch), as training does; the default 1 x 1 is one device. Up to
+columns, N must divide the attention heads; fsdp: the other weight axis and the batch), as training does; the
+default 1 x 1 is one device. Its memory per chip, compiled for a TPU topology on any CPU: ``python -m nlac_jax.plan
+--serve`` with the same flags (nlac_jax/plan.py). Up to
 ``--max_batch`` rows decode at once; a larger group of waiting requests is decoded by continuous batching.
 
 Exit codes: 0 interrupted cleanly; 2 usage error (a bad flag, a missing model directory, a port in use); 1 any other
@@ -35,15 +37,7 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=cli.int_at_least(0), default=8000, help="TCP port (default 8000; 0 = a free one)")
     p.add_argument("--name", default=None, help="served model name (default: the directory's name)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="weights and compute dtype (default float32; bfloat16 for a 7B+ judge)")
-    p.add_argument("--tensor", type=cli.int_at_least(1), default=1,
-                   help="tensor-parallel devices of the mesh (default 1)")
-    p.add_argument("--fsdp", type=cli.int_at_least(1), default=1,
-                   help="fsdp devices of the mesh (default 1); the mesh takes the first tensor x fsdp devices")
-    p.add_argument("--max_batch", type=cli.int_at_least(1), default=32,
-                   help="rows decoded at once; more waiting requests are decoded by continuous batching "
-                        "(default 32)")
+    add_model_flags(p)
     p.add_argument("--batch_wait_ms", type=cli.finite_at_least(0.0), default=5.0,
                    help="how long the batcher waits for more requests after the first (default 5 ms)")
     p.add_argument("--max_body_mb", type=cli.finite_at_least(0.001), default=16.0,
@@ -53,23 +47,54 @@ def build_parser() -> cli.ArgumentParser:
     return p
 
 
+def add_model_flags(p, defaults: bool = True) -> None:
+    """--dtype, --tensor, --fsdp, --max_batch: what the server compiles and holds per chip. The planner
+    (`python -m nlac_jax.plan --serve`) takes the same flags from here; defaults=False leaves an absent flag unset
+    (argparse.SUPPRESS), so it can tell a serve flag that was given from one that was not."""
+    import argparse
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--dtype", default=d("float32"), choices=("float32", "bfloat16"),
+                   help="weights and compute dtype (default float32; bfloat16 for a 7B+ judge)")
+    p.add_argument("--tensor", type=cli.int_at_least(1), default=d(1),
+                   help="tensor-parallel devices of the mesh (default 1)")
+    p.add_argument("--fsdp", type=cli.int_at_least(1), default=d(1),
+                   help="fsdp devices of the mesh (default 1); the mesh takes the first tensor x fsdp devices")
+    p.add_argument("--max_batch", type=cli.int_at_least(1), default=d(32),
+                   help="rows decoded at once; more waiting requests are decoded by continuous batching "
+                        "(default 32)")
+
+
 def parse_flags(argv=None):
     """The serve CLI's flags."""
     return build_parser().parse_args(argv)
 
 
-def make_mesh(tensor: int, fsdp: int):
-    """The serving mesh: (data 1, fsdp, tensor) over the first fsdp x tensor devices; None for one device.
-    More devices than the machine has: sharding.ShardingError naming both counts (exit 2)."""
+def make_mesh(tensor: int, fsdp: int, devices=None):
+    """The serving mesh: (data 1, fsdp, tensor) over the first fsdp x tensor of `devices` (default: this host's);
+    None for one device. More devices than there are: sharding.ShardingError naming both counts (exit 2)."""
     if tensor * fsdp == 1:
         return None
     import jax
     from nlac_jax import sharding
-    devices = jax.devices()
+    devices = list(devices if devices is not None else jax.devices())
     if tensor * fsdp > len(devices):
         raise sharding.ShardingError(f"--tensor {tensor} --fsdp {fsdp} need {tensor * fsdp} devices, this host has "
                                      f"{len(devices)} ({devices[0].platform})")
     return sharding.make_mesh(data=1, fsdp=fsdp, tensor=tensor, devices=devices[:tensor * fsdp])
+
+
+def config_overrides(dtype: str) -> dict:
+    """The ModelConfig fields the server sets over config.json's: --dtype for compute and storage alike (no float32
+    master weights: nothing trains)."""
+    return dict(dtype=dtype, param_dtype=dtype)
+
+
+def check_tensor(cfg, tensor: int, source: str) -> None:
+    """--tensor must divide the query heads (as vLLM requires): the rules table would otherwise silently replicate
+    every attention projection on each tensor device. Fewer KV heads than --tensor are replicated (GQA), as usual."""
+    if cfg.num_heads % tensor:
+        raise cli.UsageError(f"--tensor {tensor} does not divide the model's {cfg.num_heads} attention heads "
+                             f"({source}): use a divisor of {cfg.num_heads}")
 
 
 def main(argv=None) -> int:
@@ -78,11 +103,14 @@ def main(argv=None) -> int:
     from nlac_jax import train
     train.setup_logging()
     cli.require_dir(flags.model_dir, "--model_dir")
-    from nlac_jax import models
+    from nlac_jax import fs, models
     from nlac_jax.judges.server import JudgeServer
     name = flags.name or os.path.basename(os.path.normpath(flags.model_dir))
+    overrides = config_overrides(flags.dtype)
+    check_tensor(models.ModelConfig.from_hf_file(flags.model_dir, **overrides), flags.tensor,
+                 fs.join(flags.model_dir, "config.json"))  # before any weight is read
     mesh = make_mesh(flags.tensor, flags.fsdp)
-    model = models.load_pretrained(flags.model_dir, dtype=flags.dtype, mesh=mesh)
+    model = models.load_pretrained(flags.model_dir, mesh=mesh, **overrides)
     server = JudgeServer(model, name, mesh=mesh, max_batch=flags.max_batch,
                          batch_wait_s=flags.batch_wait_ms / 1000.0,
                          default_max_tokens=flags.default_max_tokens,

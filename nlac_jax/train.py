@@ -100,10 +100,11 @@ def check_mesh_fits(loop_cfg, model_cfg) -> None:
 _SEARCH_PATHS: set = set()
 
 
-def load_gin(files, params, check_mesh: bool = True) -> None:
+def load_gin(files, params, check_mesh: bool = True, check_run: bool = True) -> None:
     """Parse gin files/bindings and check, before any model is built, that the configuration can run: required
     bindings, value types and ranges (the configurables' own checks), the tokenizer against the model config, and
-    (check_mesh) the batch against the mesh. Raises GinConfigError (one line) on any error."""
+    (check_mesh) the batch against the mesh. check_run=False checks the model only (`plan --serve` reads a gin
+    model file, no run). Raises GinConfigError (one line) on any error."""
     for d in dict.fromkeys((os.getcwd(), REPO_ROOT)):
         if d not in _SEARCH_PATHS:  # gin appends on every call; error messages list each path once
             gin.add_config_file_search_path(d)
@@ -115,6 +116,9 @@ def load_gin(files, params, check_mesh: bool = True) -> None:
     from nlac_jax.roles import RoleSampling
     try:
         gin.parse_config_files_and_bindings(files, params)
+        if not check_run:
+            building.build_model()
+            return
         # build the cheap configurables once: a missing %gin.REQUIRED or a bad value fails here, not mid-run
         loop_cfg = loop.LoopConfig()
         targets.TargetConfig()

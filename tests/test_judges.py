@@ -400,6 +400,16 @@ def test_serve_cli_subprocess(model_dir):
         in lines[0], big.stderr
 
 
+def test_serve_refuses_a_tensor_size_that_does_not_divide_the_heads(model_dir):
+    # 4 attention heads on --tensor 3: refused from config.json, before any device or weight is touched
+    res = subprocess.run([sys.executable, "-m", "nlac_jax.serve", "--model_dir", model_dir, "--tensor", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "--tensor 3 does not divide the model's 4 attention heads" in lines[0] and "config.json" in lines[0], \
+        lines[0]
+
+
 class FakeEndpoint:
     """A deterministic OpenAI-compatible endpoint on localhost (Werkzeug): `answer(messages) -> str` replies to each
     chat; `dies_when()` (checked before every chat request) takes the server down for good, mid-run."""

@@ -1,6 +1,7 @@
 """The planner (`python -m nlac_jax.plan`): TPU ahead-of-time compiles on this CPU, its byte accounting against the
 compiled executables, the model gin files' config.json numbers, and its one-line errors."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -29,6 +30,8 @@ SMALL = ["--gin_param=LoopConfig.max_len = 256", "--gin_param=nlac.RoleSampling.
 def _run_cli(argv, capsys):
     try:
         code = cli.run(plan.main, argv, prog=plan.PROG)
+    except SystemExit as e:  # argparse's own errors (one line, cli.ArgumentParser) exit from the parser
+        code = e.code
     finally:
         gin.clear_config()
     out = capsys.readouterr()
@@ -151,3 +154,92 @@ def test_plan_needs_no_judge_endpoint_and_counts_no_user_model_for_one(capsys):
                                "--topology=v5p-16", "--cpu-devices=8"] + SMALL, capsys)
     assert code == 0, err
     assert "external model" not in out and "JUDGE_URL" not in err
+
+
+# ----------------------------------------------------------------------------- plan --serve (the judge server)
+# a scaled-down Qwen2 as config.json writes it: every weight matrix divides over tensor = 4 (8 heads, 4 KV heads)
+TINY_HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024,
+           "tie_word_embeddings": False, "max_position_embeddings": 4096}
+
+
+def _tiny_model_gin(tmp_path, **hf) -> str:
+    path = tmp_path / "tiny_hf.gin"
+    path.write_text("import nlac_jax.models.building\nMODEL_DIR = None\nbuild_model.model_dir = %MODEL_DIR\n"
+                    f"build_model.hf_config = {dict(TINY_HF, **hf)!r}\n")
+    return str(path)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
+def test_serve_plan_tpu_bytes_equal_the_compiled_decode(no_persistent_cache, monkeypatch):
+    """plan --serve for a v5p-8 (2x2x1) topology, bfloat16, --tensor 4: the compiled decode's argument bytes per
+    chip are exactly the planner's weights + decode state + controls; the weights are bfloat16 and split 4 ways; the
+    KV cache holds at least the hand-computed bytes of one KV head per chip for every row and cache slot."""
+    for var in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):  # see above
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        monkeypatch.delenv(var)
+    slc = tpu_specs.parse_slice("v5p-8")
+    devices = plan.topology_devices(slc)
+    cfg = plan.serve_config(TINY_HF, "bfloat16", "test")
+    assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "bfloat16")  # the server stores what it computes in
+    p = plan.make_serve_plan(slc, devices, "test", cfg, tensor=4, fsdp=1, max_batch=8, prompt_len=100, new_tokens=30)
+    assert p.mesh_shape == {"data": 1, "fsdp": 1, "tensor": 4}
+    pre, dec = p.executables
+    assert dec.arguments == p.weights + p.decode_state + p.controls
+    assert 0 < p.controls <= 8 * 4096
+    assert dec.aliased >= p.decode_state - 4096  # the decode state (KV cache) is donated
+    # weights: bfloat16 (2 bytes) of every parameter, split over the 4 tensor devices; tiles pad only the small
+    # replicated norm scales
+    total = 2 * cfg.num_params
+    assert total // 4 <= p.weights < 1.1 * total / 4, (p.weights, total)
+    # KV cache: K and V, 2 layers, 8 rows x (128 prompt + 32 new) slots, 4 KV heads / 4 = 1 per chip of 32, bf16
+    kv_hand = 2 * 2 * 8 * (128 + 32) * 1 * 32 * 2
+    assert kv_hand <= p.kv_cache <= p.decode_state
+    assert "| serve prefill |" in p.report() and "| serve decode |" in p.report()
+    p.check()  # a few MiB of 85 GiB
+
+
+def test_serve_plan_cli_fits_and_names_the_server(tmp_path, capsys):
+    code, out, err = _run_cli(["--serve", f"--gin_file={_tiny_model_gin(tmp_path)}", "--topology=v5p-8",
+                               "--cpu-devices=4", "--tensor=4", "--dtype=bfloat16", "--max_batch=8",
+                               "--prompt_len=100", "--new_tokens=30"], capsys)
+    assert code == 0, err
+    assert "python -m nlac_jax.serve --dtype bfloat16 --tensor 4 --fsdp 1 --max_batch 8" in out
+    assert "B=8 prompt=128 new=32 cache=160" in out  # the server's largest bucket (Sampler.buckets)
+    rows = [line for line in out.splitlines() if line.startswith("| serve ")]
+    assert len(rows) == 2 and all(line.endswith("| yes |") for line in rows), out
+
+
+def test_serve_plan_does_not_fit_is_one_line(tmp_path, capsys, monkeypatch):
+    # a v5e chip of 1 MiB: the tiny server's prefill (a few MiB per chip) cannot fit
+    monkeypatch.setitem(tpu_specs.CHIPS, "v5e", dataclasses.replace(tpu_specs.CHIPS["v5e"], hbm_bytes=1 << 20))
+    code, out, err = _run_cli(["--serve", f"--gin_file={_tiny_model_gin(tmp_path)}", "--topology=v5e-4",
+                               "--cpu-devices=4", "--tensor=4", "--dtype=bfloat16", "--max_batch=8",
+                               "--prompt_len=100", "--new_tokens=30"], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "does not fit: serve prefill" in err and "over by" in err, err
+    assert "| NO |" in out
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--tensor=3"], "--tensor 3 does not divide the model's 8 attention heads"),
+    (["--tensor=16"], "--tensor 16 does not divide"),
+    (["--tensor=4", "--fsdp=2"], "--tensor 4 --fsdp 2 need 8 devices"),
+    (["--prompt_len=4000", "--new_tokens=200"], "exceeds the model's context of 4096 tokens"),
+    (["--prompt_len=100", "--dtype=float16"], "invalid choice"),
+])
+def test_serve_plan_bad_input_is_one_line(argv, what, tmp_path, capsys):
+    argv = argv if any(a.startswith("--prompt_len") for a in argv) else argv + ["--prompt_len=100"]
+    code, _, err = _run_cli(["--serve", f"--gin_file={_tiny_model_gin(tmp_path)}", "--topology=v5p-8",
+                             "--cpu-devices=4"] + argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and what in err, err
+
+
+def test_serve_flags_need_serve_and_serve_needs_a_model_config(tmp_path, capsys):
+    code, _, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-8", "--tensor=4"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--tensor plans the judge server: add --serve" in err, err
+    code, _, err = _run_cli(["--serve", f"--gin_file={_tiny_model_gin(tmp_path)}", "--topology=v5p-8"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--serve needs --prompt_len" in err, err
+    code, _, err = _run_cli(["--serve", "--gin_file=gin/models/tiny_random.gin", "--topology=v5p-8",
+                             "--cpu-devices=4", "--prompt_len=100"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "bind no build_model.hf_config" in err, err

@@ -68,6 +68,14 @@ def _number(body: dict, name: str, default, lo: float, hi: float | None = None, 
     return v
 
 
+def make_sampler(cfg, mesh=None):
+    """The server's Sampler (the planner, `nlac_jax.plan --serve`, compiles this one). Its largest executables are
+    the prefill and decode of `max_batch` rows (Sampler.buckets): more waiting requests are refilled into those rows,
+    a few at a time, by smaller refill executables."""
+    from nlac_jax import sampling
+    return sampling.Sampler(cfg, mesh=mesh)
+
+
 class JudgeServer:
     """The WSGI app and batching worker for one model (see the module docstring).
 
@@ -88,7 +96,7 @@ class JudgeServer:
     def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
                  default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0,
                  mesh=None, max_waiting: int | None = None):
-        from nlac_jax import sampling, text
+        from nlac_jax import text
         if model.tokenizer is None:
             raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
         self.model, self.name, self.tok = model, name, model.tokenizer
@@ -97,7 +105,7 @@ class JudgeServer:
         self.max_body_bytes, self.body_timeout_s = int(max_body_bytes), float(body_timeout_s)
         self.max_waiting = int(max_waiting) if max_waiting is not None else 4 * self.max_batch
         self.mesh = mesh
-        self.sampler = sampling.Sampler(model.config, mesh=mesh)
+        self.sampler = make_sampler(model.config, mesh)
         self.stop_ids = text.stop_token_ids(self.tok)
         self.created = int(time.time())
         self._queue: queue.Queue = queue.Queue()
