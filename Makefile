@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml requirements-envs.txt requirements-nodeps.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,7 +40,11 @@ $(TPU_STAMP): $(STAMP) requirements-tpu.txt
 	touch $(TPU_STAMP)
 
 test: $(STAMP) $(SEQIO_STAMP) $(TPU_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+
+# the development loop: every test not marked slow (no multi-minute runs), same workers
+test-fast: $(STAMP) $(SEQIO_STAMP) $(TPU_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

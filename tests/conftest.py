@@ -42,3 +42,22 @@ def one_process_reference(tmp_path_factory):
     run = str(tmp / "run")
     tm._run({"one_process": (tm._cmd(run), tm._env(2))}, tmp)
     return run
+
+
+# the files with multi-minute subprocess runs, longest first (make test's --durations): scheduled before the rest
+LONGEST_FIRST = ("test_gcs_run.py", "test_loop.py", "test_multihost.py", "test_judges.py", "test_disk_full.py",
+                 "test_experiments_unit_scale.py", "test_plan.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the files for 2 xdist workers that take one file at a time in collection order (Makefile: --dist
+    loadfile --no-loadscope-reorder): LONGEST_FIRST, then the other files holding a test marked `slow`, then the
+    rest, each group in collection order. A long file started last would leave one worker idle while the other
+    finishes it. Only the order changes: every test still runs."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        if item.path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(item.path.name)
+        return len(LONGEST_FIRST) + (item.path not in slow_files)
+    items.sort(key=rank)  # stable: the order within each file is kept

@@ -56,6 +56,7 @@ def setup():
                 step_b=training.make_train_step(CFG, mesh_b, opt, ema_decay=0.9))
 
 
+@pytest.mark.slow
 def test_restore_on_another_mesh_then_continue_matches_uninterrupted_run(setup, tmp_path):
     s = setup
     state = training.create_train_state(CFG, s["mesh_a"], s["opt"], seed=1)
@@ -92,6 +93,7 @@ def test_restore_on_another_mesh_then_continue_matches_uninterrupted_run(setup, 
     np.testing.assert_array_equal(continued.rng, reference.rng)
 
 
+@pytest.mark.slow
 def test_interval_retention_and_corrupt_latest_falls_back(setup, tmp_path, caplog):
     s = setup
     state = training.create_train_state(CFG, s["mesh_a"], s["opt"], seed=2)

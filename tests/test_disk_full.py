@@ -23,6 +23,7 @@ def _can_mount() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_mount(), reason="needs a private mount namespace (root: unshare -m, mount tmpfs)")
 def test_checkpoint_that_does_not_fit_is_one_line_and_the_rerun_resumes(tmp_path):
     workdir, marker = tmp_path / "run", tmp_path / "hold"

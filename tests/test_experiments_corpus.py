@@ -169,6 +169,7 @@ def test_agrees_with_nlac_target_builder():
         assert b.target_text == m.target_text
 
 
+@pytest.mark.slow
 def test_warm_start_smoke(tmp_path):
     """A few steps on a 2-layer, 64-wide model: the loss falls, the saved directory loads via build_model."""
     import jax

@@ -89,6 +89,7 @@ def _run_unit_scale(gin_file: str, workdir: str, timeout: int):
     return res
 
 
+@pytest.mark.slow
 def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     workdir = str(tmp_path / "unit")
     _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600)
@@ -124,6 +125,7 @@ def test_warm_start_batches_are_padded_to_their_bucket():
     assert seen == set(range(len(lengths)))  # every example is drawn
 
 
+@pytest.mark.slow
 def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tmp_path):
     """gin/experiments/unit_toy_learned_critic_smoke.gin end to end: one warm start per seed (different corpus and
     warm-start seeds: different weights), the RL game's waste rule in the run's config, the knowledge probe in every

@@ -51,6 +51,7 @@ def _two_process_jobs(workdir, env_of, **extra):
             for i in range(2)}
 
 
+@pytest.mark.slow
 def test_gcs_workdir_two_processes_killed_and_resumed_equals_local(tmp_path, one_process_reference):
     with GcsEmulator(str(tmp_path / "emulator.log")) as gcs:
         gcs.make_bucket(BUCKET)

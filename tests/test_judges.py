@@ -59,6 +59,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_server_batches_and_matches_generate(served, model_dir):
     server, url = served
     client = _client(url)
@@ -188,6 +189,7 @@ def test_server_refuses_hostile_bodies_with_one_line(served, model_dir):
         small.shutdown()
 
 
+@pytest.mark.slow
 def test_served_on_a_mesh_and_in_bfloat16_answers_as_the_single_device_float32_one(served, model_dir):
     """`serve --tensor 2 --fsdp 2`: greedy replies over HTTP equal the one-device float32 server's, token for token,
     with more requests than decoding rows (continuous batching). `--dtype bfloat16 --tensor 2`: the served model's
@@ -296,6 +298,7 @@ def _play(factory, name, client, max_turns=2):
 CASES = [("twenty_questions", {"oracle": "model"})] + ([("tau_retail", {"user": "model"})] if HAVE_TAU else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
 def test_model_backed_env_through_the_client(served, name, kw):
     server, url = served
@@ -505,6 +508,7 @@ def test_nl_assertion_judge_through_an_endpoint(served, tmp_path):
         fake.close()
 
 
+@pytest.mark.slow
 def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
     """The training loop's judge endpoint goes down after the first checkpoint: the run exits with one line naming
     the endpoint, the checkpoint restores (a new run resumes from it), and the cache keeps every answer given."""

@@ -66,6 +66,7 @@ def _metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_one_iteration_end_to_end_8_devices(tmp_path):
     wd = str(tmp_path / "run")
     res = subprocess.run(_cmd(wd, 1, ["make_mesh.data = 2", "make_mesh.fsdp = 2", "make_mesh.tensor = 2",
@@ -147,6 +148,7 @@ def _assert_same_run(full, other):
             assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
 
 
+@pytest.mark.slow
 def test_kill_and_resume_equals_uninterrupted(tmp_path, uninterrupted_run):
     # a real kill (SIGKILL) in the middle of iteration 2 (held at the start of its targets phase), once iteration 1's
     # checkpoint is committed (it is written in the background: the held run finishes it)
@@ -169,6 +171,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, uninterrupted_run):
     _assert_same_run(uninterrupted_run, killed)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_agreed_iteration_and_resumes(tmp_path, uninterrupted_run):
     """A preemption notice (SIGTERM) during iteration 1 of 2: the run finishes iteration 1, saves it (although
     checkpoint_every would not), says so in one line, exits 143; the same command resumes there and ends equal to
@@ -283,6 +286,7 @@ def test_pack_one_pass_and_updates_per_target():
     assert len(batches) == 5 and m["train/updates_per_target"] == 5 * 4 / 10
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_the_first_iteration(tmp_path):
     """Every executable (sampler, train step, evaluation) is built in iteration 1; later iterations reuse them
     (the loop logs 'compile/count', jit lowerings per iteration, and warns naming any new one)."""

@@ -118,6 +118,7 @@ def test_gemma3_scanned_layers_equal_unrolled_with_grads(tmp_path):
 
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", dict(LLAMA3_ROPE, tie_word_embeddings=True)),
                                               ("gemma3", dict(final_logit_softcapping=3.0))])
+@pytest.mark.slow
 def test_greedy_sampler_matches_transformers(tmp_path, family, overrides):
     """The KV-cache sampler (unrolled and scanned layer loops, query-blocked prefill) equals transformers' greedy `generate`; Gemma's
     prompts and generations run far past its 4-slot sliding window."""

@@ -94,6 +94,7 @@ def test_bfloat16_on_disk_round_trip(tmp_path):
     assert np.abs(hf_logits(hm, ids, mask) - np.asarray(m2.logits(ids, mask)))[mask.astype(bool)].max() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_scan_remat_and_query_blocks_same_logits_and_grads(tmp_path, remat):
     make_hf_model("qwen2", str(tmp_path), num_hidden_layers=3)

@@ -281,6 +281,7 @@ def _assert_same_export(one: str, two: str) -> None:
         np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
 
 
+@pytest.mark.slow
 def test_two_processes_preempted_and_resumed_equal_one_process(tmp_path, one_process_reference):
     """2 demo iterations as 2 processes on localhost, preempted and resumed, == the same run as 1 process with 2
     devices (the module docstring says why they are equal).

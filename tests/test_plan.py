@@ -38,6 +38,7 @@ def _run_cli(argv, capsys):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
 def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypatch):
     """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports
@@ -66,10 +67,8 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
     dense = footprint.bytes_per_chip(state.params)
     assert dense <= theta < 1.05 * dense  # tiles pad the small norm scales and biases only
     assert theta < 4 * cfg.num_params // 2  # really sharded (4 ways where the dims divide)
-    fmts = compiled.input_formats[0][1]
-    # token normalisation never reads S_k (denom_examples), and jit drops an argument nothing reads
-    read = [k for k in batch if k != "denom_examples"]
-    batch_bytes = footprint.bytes_per_chip([batch[k] for k in read], [fmts[k] for k in read])
+    # token normalisation never reads S_k (denom_examples): jit drops it, and its format says so (it counts 0)
+    batch_bytes = footprint.bytes_per_chip(batch, compiled.input_formats[0][1])
     # the executable's arguments are exactly the train state (θ, θ̄, optimiser, counters) and the batch it reads
     assert train.arguments == sb["total"] + batch_bytes
     assert train.aliased >= sb["total"] - 4096  # the donated state is updated in place
@@ -84,6 +83,7 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
     assert dec.aliased > 0  # the decode state (KV cache) is donated
 
 
+@pytest.mark.slow
 def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
     code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"]
                               + SMALL, capsys)
@@ -94,6 +94,7 @@ def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
     assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
 
 
+@pytest.mark.slow
 def test_plan_does_not_fit_is_one_line(capsys):
     # 4,096 prompts of ~4k tokens per sampler call: the prefill's attention scores alone are far beyond 16 GB
     code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5e-8", "--cpu-devices=8",

@@ -23,6 +23,7 @@ def smol(tmp_path_factory):
     return d, transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 def test_real_smollm2_logits_match_transformers(smol):
     d, hm = smol
     m = models.load_pretrained(d, dtype="float32")

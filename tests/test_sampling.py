@@ -67,6 +67,7 @@ def test_greedy_matches_transformers_llama(tmp_path):
     np.testing.assert_array_equal(greedy(m, ps, n=33).tokens, hf_greedy(hm, ps, 33))
 
 
+@pytest.mark.slow
 def test_continuous_batching_equals_one_batch(qwen):
     """More prompts than slots: finished rows are refilled with waiting prompts. Greedy results (tokens, log-probs,
     lengths, stop reasons, stop strings) equal the one-batch path's; fewer slots idle; sampling is reproducible
@@ -97,6 +98,7 @@ def test_continuous_batching_equals_one_batch(qwen):
     assert dict(sampling.TRACE_COUNTS) == before
 
 
+@pytest.mark.slow
 def test_drain_compaction_equals_no_compaction(qwen):
     """Once no prompt waits, the rows still running move into a smaller batch: the results (greedy and sampled)
     equal the uncompacted run's, fewer row-rounds run, and the row-round count is exact."""
@@ -111,7 +113,9 @@ def test_drain_compaction_equals_no_compaction(qwen):
         assert len(set(b.lengths.tolist())) > 3, "rows must stop at different lengths for the drain to matter"
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.lengths, b.lengths)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        # the compacted batch runs its matmuls at another shape: float32 sums in another order (one failure seen at
+        # |Δ| 1.05e-5 on a logprob of -2.14, i.e. 5e-6 relative), so the bound is relative as well as absolute
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=2e-5, atol=1e-5)
         assert a.stop_reason == b.stop_reason and a.num_steps == b.num_steps
         assert int(a.lengths.sum()) <= a.token_slots < b.token_slots, kw
     # without compaction the one batch runs 16 rows (13 -> bucket 16) for every round
@@ -120,6 +124,7 @@ def test_drain_compaction_equals_no_compaction(qwen):
     assert on.cache_sizes()["compact"] >= 2 and off.cache_sizes()["compact"] == 0
 
 
+@pytest.mark.slow
 def test_n_samples_per_prompt_prefill_once(qwen, monkeypatch):
     """generate(prompts, n=3) equals generate(each prompt repeated 3 times) row for row, greedy and sampled, in the
     one-batch path and with continuous batching, while each prompt is prefilled once (fewer prefill rows)."""

@@ -234,6 +234,7 @@ def test_chunked_logits_equal_full_logits():
     np.testing.assert_allclose(g(hidden, 4), g(hidden, 0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["1dev", "dp2_fsdp2_tp2"])
 def test_lm_head_on_target_positions_only_equals_every_position(mesh_name):
     """make_train_step.loss_positions=K: the LM head runs on each row's first K targets only. With K = the largest
@@ -254,6 +255,7 @@ def test_lm_head_on_target_positions_only_equals_every_position(mesh_name):
         training.make_train_step(CFG, mesh("1dev"), optimizer(), loss_positions=-1)
 
 
+@pytest.mark.slow
 def test_same_loss_grads_and_update_on_every_mesh():
     batch = make_batch(3)
     results = {}
