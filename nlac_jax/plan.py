@@ -228,6 +228,12 @@ def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: 
 
 
 # ----------------------------------------------------------------------------- the plan
+def decode_line(flops_per_token: float, batch: int, est) -> str:
+    """The report's decode line (training plan and server plan alike): analytic FLOPs and the roofline tokens/s."""
+    return (f"decode: {flops_per_token:.3e} FLOPs per generated token (analytic, full cache); roofline estimate "
+            f"{batch / est.seconds:,.0f} tokens/s at B={batch} ({est.bound}-bound, estimate)")
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything the planner found (the table is `report()`)."""
@@ -284,9 +290,7 @@ class Plan:
             f" during {p.name}",
             f"train step: {self.train_flops:.3e} FLOPs (analytic); roofline estimate {self.train_est.seconds:.2f} s "
             f"per step ({self.train_est.bound}-bound, 100% of peak, no communication)",
-            f"decode: {self.decode_flops_per_token:.3e} FLOPs per generated token (analytic, full cache); roofline "
-            f"estimate {self.decode_batch / self.decode_est.seconds:,.0f} tokens/s at B={self.decode_batch} "
-            f"({self.decode_est.bound}-bound, estimate)",
+            decode_line(self.decode_flops_per_token, self.decode_batch, self.decode_est),
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -460,9 +464,7 @@ class ServePlan:
             "",
             f"server peak per chip: {fmt_bytes(p.own_peak)} of {fmt_bytes(self.hbm)} "
             f"({100 * p.own_peak / self.hbm:.0f}%) during {p.name}",
-            f"decode: {self.decode_flops_per_token:.3e} FLOPs per generated token (analytic, full cache); roofline "
-            f"estimate {self.decode_batch / self.decode_est.seconds:,.0f} tokens/s at B={self.decode_batch} "
-            f"({self.decode_est.bound}-bound, estimate)",
+            decode_line(self.decode_flops_per_token, self.decode_batch, self.decode_est),
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
