@@ -427,6 +427,7 @@ class NLACRun:
         # train
         t0 = time.perf_counter()
         self._phase(it, "train", bars)
+        self.sampler.release()  # the sampler's inference copies of θ and θ̄ are stale after this phase's updates
         sums: dict = {}
         n_tokens = 0
         batches, pack_metrics = self._pack(examples, rng)

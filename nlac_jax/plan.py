@@ -325,6 +325,7 @@ def _needs_external_model(env_factory) -> bool:
 
 def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     """Build and compile everything for `devices` under the parsed gin config (see the module docstring)."""
+    import jax
     from nlac_jax import envs, footprint, models, sampling, sharding, training
     from nlac_jax.loop import LoopConfig
     from nlac_jax.models import building
@@ -374,12 +375,22 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     for role in CHAT_ROLES:
         buckets.setdefault(sampler.buckets(loop.sampler_max_batch, max(1, budgets[role]), rs.budget(role)),
                            []).append(role)
-    params = state.params
-    p_bytes = sb["params"]
-    for (bb, tb, nb), roles in sorted(buckets.items()):
-        for e in compile_sampler(f"sampler {'/'.join(roles)}", sampler, cfg, mesh, params, bb, tb, nb):
-            e.resident, e.shared_args = sb["total"] + ext_bytes, p_bytes
-            exes.append(e)
+    # the sampler reads θ and θ̄ as inference copies (matmul weights in the compute dtype, Sampler.run_params),
+    # made once per update and released before the train step: resident while sampling, beside the train state
+    params = sampler.weights_for_inference(state.params)
+    copied = jax.tree.leaves(params) != jax.tree.leaves(state.params)
+    sampler_exes = [e for (bb, tb, nb), roles in sorted(buckets.items())
+                    for e in compile_sampler(f"sampler {'/'.join(roles)}", sampler, cfg, mesh, params, bb, tb, nb)]
+    # one copy's bytes as the decode executable stores it (its first argument; TPU layouts are tiled)
+    p_bytes = footprint.bytes_per_chip(params, sampler_exes[1].compiled.input_formats[0][0]) if copied \
+        else sb["params"]
+    copies = 2 * p_bytes if copied else 0
+    if copied:
+        notes.append(f"the sampler decodes from {cfg.dtype} copies of θ and θ̄ (matmul weights; made once per update, "
+                     f"released before the train step): {footprint.fmt_bytes(copies)} per chip while sampling")
+    for e in sampler_exes:
+        e.resident, e.shared_args = sb["total"] + ext_bytes + copies, p_bytes
+        exes.append(e)
     eb = sampler.buckets(min(loop.eval_episodes, loop.sampler_max_batch) or 1, 1, 1)[0]
     notes.append(f"evaluation and shrinking rollouts call the same executables at batch buckets <= "
                  f"{max(b[0] for b in buckets)} (held-out evaluation: {eb} rows); their memory is bounded by these")
@@ -402,7 +413,8 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     (db, dt, dn) = max(buckets)
     cache = dt + dn
     dflops = footprint.decode_flops_per_token(cfg, cache)
-    d_est = footprint.roofline(db * dflops, footprint.decode_step_hbm_bytes(cfg, mesh, db, cache, cfg.param_dtype),
+    read_dtype = cfg.dtype if sampler.weights == "compute" else cfg.param_dtype  # the weights decode streams
+    d_est = footprint.roofline(db * dflops, footprint.decode_step_hbm_bytes(cfg, mesh, db, cache, read_dtype),
                                chips, chip.peak_bf16_flops, chip.hbm_bandwidth)
     if chips != slc.chips:
         notes.append(f"compiled for {chips} devices, the slice has {slc.chips} chips")

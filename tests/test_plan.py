@@ -42,7 +42,8 @@ def _run_cli(argv, capsys):
 @pytest.mark.skipif(not HAS_LIBTPU, reason=NO_LIBTPU)
 def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypatch):
     """Train step and decode loop compiled for a v5p-8 (2x2x1) topology on the CPU: the argument bytes XLA reports
-    per chip are exactly the planner's train-state (θ, θ̄, optimiser) + batch bytes, and θ + decode state bytes."""
+    per chip are exactly the planner's train-state (θ, θ̄, optimiser) + batch bytes, and θ's bf16 inference copy +
+    decode state bytes."""
     # topology_devices sets loader hints in os.environ; later tests start training subprocesses, which read
     # TPU_WORKER_HOSTNAMES as a pod's worker list. setenv records the old state (absent included), so the hints are
     # undone after this test.
@@ -75,10 +76,13 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
 
     sampler = sampling.Sampler(cfg, mesh=mesh)
     assert sampler.layer_loop == "scan"  # TPU devices: the scanned layer loop
-    params = state.params
+    params = sampler.weights_for_inference(state.params)  # what Sampler.run_params hands the executables
     prefill, dec = plan.compile_sampler("sampler", sampler, cfg, mesh, params, 8, 32, 16)
-    # decode's arguments: θ (as the train state holds it), the decode state prefill returns, the small controls
-    ctl = dec.arguments - theta - prefill.outputs
+    copy = footprint.bytes_per_chip(params, dec.compiled.input_formats[0][0])
+    # the bf16 inference copy of θ: half of θ's bytes, but for the float32 norm scales (and their tiles)
+    assert theta // 2 <= copy < 0.55 * theta, (copy, theta)
+    # decode's arguments: that copy, the decode state prefill returns, the small controls
+    ctl = dec.arguments - copy - prefill.outputs
     assert 0 < ctl <= 8 * 4096, ctl
     assert dec.aliased > 0  # the decode state (KV cache) is donated
 

@@ -396,6 +396,39 @@ def test_layer_layout_converted_once_per_params_tree(qwen):
     assert np.abs(a.logprobs - b.logprobs).max() > 1e-3  # p2's own weights, not a stale conversion
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_compute_dtype_weights_give_identical_outputs(family, tmp_path):
+    """bf16 compute over float32 master weights: the sampler decodes from a bf16 copy of the matmul weights
+    (decoder.inference_weights), made once per tree; tokens and log-probs are bit-identical to reading the float32
+    tree (weights='master'), sampled at T=1, for the unrolled (CPU) and the scanned (TPU) layer loops. The norm
+    scales stay float32, and so does Gemma's scaled embedding (its sqrt(E) product is taken in the table's dtype)."""
+    d = str(tmp_path)
+    make_hf(family, d, tie_word_embeddings=family == "gemma3")
+    tiny.make_tiny_tokenizer(out_dir=d)
+    m = models.load_pretrained(d, dtype="bfloat16", param_dtype="float32")
+    cfg = m.config
+    assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+    kw = dict(max_new_tokens=12, stop_token_ids=(), temperature=1.0, seed=3)
+    for loop in ("unrolled", "scan"):
+        fast, master = sampling.Sampler(cfg, layer_loop=loop), sampling.Sampler(cfg, layer_loop=loop, weights="master")
+        a, b = fast.generate(m.params, prompts(), **kw), master.generate(m.params, prompts(), **kw)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        run = jax.tree_util.tree_flatten_with_path(fast.run_params(m.params))[0]
+        dtypes = {jax.tree_util.keystr(k): str(v.dtype) for k, v in run}
+        assert {t for k, t in dtypes.items() if k.endswith("['scale']")} == {"float32"}
+        kernels = {t for k, t in dtypes.items() if "kernel" in k or "gate_up" in k}
+        assert kernels == {"bfloat16"}, dtypes
+        embed = dtypes["['embed']['embedding']"]
+        assert embed == ("float32" if cfg.embed_scale else "bfloat16"), (family, embed)
+        assert all(str(v.dtype) == "float32" for v in jax.tree.leaves(master.run_params(m.params)))
+        # weight bytes the executables read: the matmul weights at half size (what decoding streams each step)
+        nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
+        assert nbytes(fast.run_params(m.params)) < 0.6 * nbytes(master.run_params(m.params))
+    fast.release()
+    assert fast._layouts == []
+
+
 # ----------------------------------------------------------------------------------------------- sharding
 
 

@@ -533,6 +533,39 @@ def fuse_projections(params: dict, num_layers: int, qkv: bool = True) -> dict:
     return out
 
 
+def inference_weights(cfg: ModelConfig, params):
+    """`params` (arrays, or ShapeDtypeStructs whose shardings are kept) with every matmul operand in the compute
+    dtype cfg.dtype: kernels, fused projections, biases, the embedding and an untied LM head. Inference reads them
+    each decode step, so a float32 master copy costs twice the HBM traffic of the bf16 one the matmuls use anyway.
+
+    The forward path casts each of these leaves to cfg.dtype where it uses it, so the outputs are bit-identical.
+    Kept in the master dtype: the norm scales (Gemma's 1 + scale is computed in float32; they are tiny) and a
+    scaled embedding (Gemma multiplies by sqrt(E) in the table's dtype, before the cast). A no-op when cfg.dtype
+    equals the leaves' dtype. Any layer layout (scanned, per layer, fused)."""
+    dt = jnp.dtype(cfg.dtype)
+
+    def cast(path, x):
+        if not _inference_cast(cfg, path, x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
+        return x.astype(dt)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _inference_cast(cfg: ModelConfig, path, x) -> bool:
+    """Whether `inference_weights` casts leaf `x` at tree path `path`."""
+    names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+    return not (x.dtype == jnp.dtype(cfg.dtype) or not jnp.issubdtype(x.dtype, jnp.floating)
+                or names[-1] == "scale" or (cfg.embed_scale and "embed" in names))
+
+
+def has_inference_weights(cfg: ModelConfig, params) -> bool:
+    """True when `inference_weights` would return `params` unchanged (checks dtypes only; no array work)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return not any(_inference_cast(cfg, path, x) for path, x in flat)
+
+
 def layout_params(cfg: ModelConfig, params: dict) -> dict:
     """`params` in the layer layout cfg.scan_layers asks for (a no-op when they already are)."""
     return (stack_layers if cfg.scan_layers else unstack_layers)(params, cfg.num_layers)

@@ -19,7 +19,7 @@ import numpy as np
 
 from nlac_jax import sharding, xla_options
 from nlac_jax.models.config import ModelConfig
-from nlac_jax.models.decoder import fuse_projections, layout_params
+from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, refill_impl)
@@ -102,12 +102,18 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
                  min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
-                 compact_levels: int = 0):
+                 compact_levels: int = 0, weights: str = "compute"):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
         if layer_loop not in ("auto", "unrolled", "scan"):
             raise ValueError(f"layer_loop={layer_loop!r} is not one of auto|unrolled|scan")
+        # weights: 'compute' runs prefill/decode from a copy of the matmul weights in cfg.dtype, made once per
+        # parameter tree (decoder.inference_weights; bit-identical outputs, half the weight bytes each decode step
+        # reads under bf16 compute with float32 master weights); 'master' reads the trees as given.
+        if weights not in ("compute", "master"):
+            raise ValueError(f"weights={weights!r} is not one of compute|master")
+        self.weights = weights
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -138,9 +144,10 @@ class Sampler:
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
-        self._to_layout = jax.jit(lambda params: layout_params(run_cfg, params) if layer_loop == "scan" else
-                                  fuse_projections(layout_params(run_cfg, params), cfg.num_layers, fuse_qkv))
-        self._layouts: list = []  # [(leaf ids, source tree, tree in run_cfg's layer layout)], newest first
+        self._to_layout = jax.jit(lambda params: self.weights_for_inference(
+            layout_params(run_cfg, params) if layer_loop == "scan" else
+            fuse_projections(layout_params(run_cfg, params), cfg.num_layers, fuse_qkv)))
+        self._layouts: list = []  # [(leaf ids, source tree, tree in the run layout)], newest first
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
@@ -162,15 +169,24 @@ class Sampler:
             self._param_shardings = models.param_shardings(self.cfg, self.mesh, self.rules)
         return jax.device_put(params, self._param_shardings)
 
+    def weights_for_inference(self, params):
+        """The weights the compiled functions read, in any layer layout: `decoder.inference_weights` (matmul
+        operands in cfg.dtype) unless this sampler was built with weights='master'. Works on ShapeDtypeStructs
+        (the planner's abstract arguments)."""
+        return params if self.weights == "master" else inference_weights(self.cfg, params)
+
     def run_params(self, params):
         """`params` in the layout the compiled functions run: for the unrolled loop, scanned weights sliced per
-        layer and the projections fused (decoder.fuse_projections). Done once per parameter tree, not inside
-        every prefill/decode/refill executable, where it copied all the weights on every call; the last two trees
-        are kept (a loop samples from θ and θ̄)."""
+        layer and the projections fused (decoder.fuse_projections); the matmul weights in the compute dtype
+        (`weights_for_inference`). Done once per parameter tree, not inside every prefill/decode/refill executable,
+        where it copied all the weights on every call; the last three trees are kept (a loop samples from θ and θ̄,
+        the frozen-critic arm from its frozen critic too). `release` drops them."""
         if self.layer_loop == "scan":
             ready = "layers" in params
         else:
             ready = "gate_up" in params.get("layers_0", {}).get("mlp", {})
+        if ready and self.weights == "compute":
+            ready = has_inference_weights(self.cfg, params)
         if ready:
             return params
         ids = tuple(map(id, jax.tree.leaves(params)))
@@ -178,8 +194,13 @@ class Sampler:
             if known == ids:  # the source tree is held, so its leaves' ids cannot be reused by other arrays
                 return out
         out = self._to_layout(params)
-        self._layouts = [(ids, params, out)] + self._layouts[:1]
+        self._layouts = [(ids, params, out)] + self._layouts[:2]
         return out
+
+    def release(self) -> None:
+        """Drop the cached run-layout trees (and the source trees they pin), e.g. before a train step: the
+        next parameter update makes them stale, and they would otherwise stay in device memory beside it."""
+        self._layouts = []
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
