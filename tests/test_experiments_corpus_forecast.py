@@ -127,9 +127,16 @@ def test_waste_probe_by_hand():
     def successor(messages, j):
         g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
         return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 == 0 else "Reply: higher.")
-    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}), ps, 12, waste_every=3, samples=2)
+    sampler = ScriptedRoleSampler({"successor": successor})
+    got = F.waste_probe(sampler, ps, 12, waste_every=3, samples=2)
     assert got == {"probe/wasted_said_rl": 0.5, "probe/wasted_said_corpus": 1.0, "probe/wasted_said_other": 0.0,
                    "probe/knowledge_accuracy": 0.5}
+    # greedy by default (a deterministic function of the parameters); the other roles keep their settings
+    (call,) = sampler.calls
+    assert call.settings.temperature("successor") == 0.0
+    assert call.settings.temperature("policy") == sampler.settings.temperature("policy")
+    F.waste_probe(sampler, ps, 12, waste_every=3, greedy=False)
+    assert sampler.calls[-1].settings is sampler.settings
 
 
 def test_scripted_references_show_what_the_knowledge_is_worth(source):

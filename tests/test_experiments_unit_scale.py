@@ -80,6 +80,18 @@ def test_make_learner_rejects_unknown_arms():
         arms.make_learner("ppo", None)
 
 
+def xcfg_warm_steps(gin_file: str) -> int:
+    """UnitScaleConfig.warm_steps as the gin file binds it."""
+    import gin
+    from nlac_jax import train
+    try:
+        train.load_gin([gin_file], [], check_run=False)
+        from nlac_jax.experiments.config import UnitScaleConfig
+        return UnitScaleConfig().warm_steps
+    finally:
+        gin.clear_config()
+
+
 def _run_unit_scale(gin_file: str, workdir: str, timeout: int):
     """`python -m nlac_jax.experiments.unit_scale` on one CPU device; asserts it exits 0 and returns the result."""
     cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale", f"--gin_file={gin_file}", f"--workdir={workdir}"]
@@ -105,6 +117,8 @@ def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     # a rerun resumes: the warm start and every finished (arm, seed) are reused, the table is rewritten
     _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600)
     progress = open(os.path.join(workdir, "progress.log")).read()
+    steps = xcfg_warm_steps("gin/experiments/unit_toy_smoke.gin")
+    assert f"warm start warm_start: step {steps}/{steps}, " in progress, progress  # the warm start's own progress
     assert "warm start: reusing" in progress
     assert progress.count("nlac seed 0:") == 1  # not run again
 

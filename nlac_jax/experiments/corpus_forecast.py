@@ -31,6 +31,7 @@ Nothing is invented: every future is played by the real ``GuessNumberEnv``; exam
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional, Sequence
 
@@ -317,9 +318,14 @@ def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, see
 
 
 def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_waste_every: int = 2,
-                samples: int = 4, max_turns: Optional[int] = None, params: str = "policy") -> dict:
+                samples: int = 1, max_turns: Optional[int] = None, params: str = "policy",
+                greedy: bool = True) -> dict:
     """What the critic KNOWS about the waste rule: for every first guess g in 1..n (the game's opening state),
-    ``samples`` forecasts of the successor (its own sampling settings), and the fraction whose reply is "no answer".
+    ``samples`` forecasts of the successor, and the fraction whose reply is "no answer".
+
+    greedy (default): the successor decodes at temperature 0, so the probe is a deterministic function of the
+      parameters: a change between two evaluations is a change of the critic, not sampling noise (4 samples at
+      T = 1 over 32 numbers moved by +-0.1 with fixed parameters). False: the sampler's own settings.
 
     Returns probe/wasted_said_rl (mean over the RL game's wasted numbers, multiples of ``waste_every``),
     probe/wasted_said_corpus (over numbers only the corpus rule wastes), probe/wasted_said_other (over numbers
@@ -330,8 +336,12 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     env = _env(n, max_turns)
     state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
     guesses = list(range(1, n + 1))
+    settings = None
+    if greedy and getattr(sampler, "settings", None) is not None:
+        settings = dataclasses.replace(sampler.settings,
+                                       temperatures={**sampler.settings.temperatures, "successor": 0.0})
     out = check_samples(sampler.sample([prompts.successor(state, str(g)) for g in guesses], params, "successor",
-                                       n=samples), n * samples, "successor")
+                                       n=samples, settings=settings), n * samples, "successor")
     said = {g: sum(forecast_reply(c.text) == WASTED_REPLY for c in grp) / samples
             for g, grp in zip(guesses, group(out, samples))}
 

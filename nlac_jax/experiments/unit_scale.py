@@ -71,11 +71,16 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     examples, stats = corpus_examples(xcfg, xcfg.corpus_seed + offset)
     model_cfg, tok, _ = building.build_model(model_dir=None)
     history: list = []
-    _progress(workdir, f"warm start {os.path.basename(out)}: {len(examples)} corpus examples, {xcfg.warm_steps} steps")
+    name = os.path.basename(out)
+    _progress(workdir, f"warm start {name}: {len(examples)} corpus examples, {xcfg.warm_steps} steps")
+
+    def on_record(rec: dict) -> None:  # a warm start takes most of an hour on 2 cores: its progress is visible
+        _progress(workdir, f"warm start {name}: step {rec['step']}/{xcfg.warm_steps}, {rec['seconds']:.0f} s, "
+                           f"L1 {rec.get('train/l1', math.nan):.3f}, L2 {rec.get('train/l2', math.nan):.3f}")
     state = warm_start.train_warm_start(model_cfg, tok, examples, xcfg.warm_steps, xcfg.warm_batch_size,
                                         xcfg.warm_learning_rate, xcfg.warm_seed + offset, xcfg.warm_max_len,
                                         log_every=max(1, xcfg.warm_steps // 10), history=history,
-                                        bucket_multiple=xcfg.warm_bucket_multiple)
+                                        bucket_multiple=xcfg.warm_bucket_multiple, on_record=on_record)
     seconds = time.perf_counter() - t0
     tmp = out + ".tmp"
     warm_start.save_warm_start(state, model_cfg, tok, tmp, metadata={

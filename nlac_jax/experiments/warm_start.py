@@ -148,7 +148,8 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
                      learning_rate: float, seed: int, max_len: int, mesh=None, *, params=None,
                      warmup_steps: Optional[int] = None, end_lr_ratio: float = 0.1, weight_decay: float = 0.0,
                      normalisation: str = "sequence", log_every: int = 50, eval_examples: Sequence[Any] = (),
-                     history: Optional[list] = None, bucket_multiple: Optional[int] = None):
+                     history: Optional[list] = None, bucket_multiple: Optional[int] = None,
+                     on_record=None):
     """Supervised warm start: ``steps`` updates of the project's NLAC train step over ``examples`` (corpus
     examples or dicts with prompt_messages/target_text/kind/weight), bucketed by length and shuffled from
     ``seed``; cosine schedule with warmup (default 5% of the steps). Returns the TrainState.
@@ -160,6 +161,7 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
     ``eval_examples`` are given, the per-role held-out loss; each record is appended to ``history``.
     bucket_multiple: pad each batch to its length rounded up to this multiple (default: powers of two). On the
       toy corpus, multiples of 32 cut the padded tokens by about a third for a few more compilations.
+    on_record: called with each logged record (e.g. to write the progress of a long warm start to a file).
     """
     import jax
     from nlac_jax import sharding, text, training
@@ -208,6 +210,8 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
                                                for k, v in rec.items()))
             if history is not None:
                 history.append(rec)
+            if on_record is not None:
+                on_record(rec)
             tokens, last = 0, time.perf_counter()
     step_fn.check()
     return state
