@@ -92,9 +92,10 @@ def xcfg_warm_steps(gin_file: str) -> int:
         gin.clear_config()
 
 
-def _run_unit_scale(gin_file: str, workdir: str, timeout: int):
+def _run_unit_scale(gin_file: str, workdir: str, timeout: int, params=()):
     """`python -m nlac_jax.experiments.unit_scale` on one CPU device; asserts it exits 0 and returns the result."""
     cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale", f"--gin_file={gin_file}", f"--workdir={workdir}"]
+    cmd += [f"--gin_param={p}" for p in params]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -121,6 +122,37 @@ def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
     assert f"warm start warm_start: step {steps}/{steps}, " in progress, progress  # the warm start's own progress
     assert "warm start: reusing" in progress
     assert progress.count("nlac seed 0:") == 1  # not run again
+
+
+def test_premise_check_by_hand():
+    from nlac_jax.experiments.unit_scale import premise_check
+    probe = {"probe/wasted_said_corpus": 0.9, "probe/wasted_said_other": 0.3}
+    assert premise_check(probe, None) == (True, "no premise check")
+    ok, line = premise_check(probe, 0.5)
+    assert ok and "premise holds" in line and "gap 0.60" in line
+    ok, line = premise_check({"probe/wasted_said_corpus": 0.55, "probe/wasted_said_other": 0.52}, 0.5)
+    assert not ok and "premise failed" in line and "0.55" in line and "0.52" in line and "gap 0.03" in line
+    ok, line = premise_check({"eval/success_rate": 0.3}, 0.5)  # no probe metrics: an asked-for check fails
+    assert not ok and "no knowledge-probe metrics" in line
+    assert not premise_check({"probe/wasted_said_corpus": float("nan"), "probe/wasted_said_other": 0.0}, 0.0)[0]
+
+
+@pytest.mark.slow
+def test_a_seed_whose_warm_start_fails_the_premise_runs_no_arm(tmp_path):
+    """The oracle smoke configuration has no knowledge probe, so a premise check asked of it fails: the warm start
+    is built and evaluated, no trained arm runs, and the table and progress.log say why. A rerun keeps the verdict."""
+    workdir = str(tmp_path / "premise")
+    params = ["experiments.UnitScaleConfig.premise_min_gap = 0.5",
+              "experiments.UnitScaleConfig.arms = ('warm_start', 'nlac', 'rft')"]
+    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600, params=params)
+    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["warm_start"]
+    table = open(os.path.join(workdir, "results.md")).read()
+    assert "Seed 0: premise failed: the warm start has no knowledge-probe metrics" in table, table
+    assert "| warm_start | 1 |" in table and "| nlac | 0 |" in table, table
+    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600, params=params)
+    progress = open(os.path.join(workdir, "progress.log")).read()
+    assert progress.count("premise failed") == 1, progress  # decided once, read back on the rerun
+    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["warm_start"]
 
 
 def test_warm_start_batches_are_padded_to_their_bucket():

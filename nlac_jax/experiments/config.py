@@ -34,6 +34,11 @@ class UnitScaleConfig:
     warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
+    premise_min_gap: the learned-critic experiment's premise, checked on each seed's warm start before its arms
+      run (`unit_scale.premise_check`): the greedy knowledge probe must say "wasted" for the corpus rule's numbers
+      at least this much more often than for numbers no rule wastes (probe/wasted_said_corpus -
+      probe/wasted_said_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic
+      that never held the corpus's knowledge) and the table says so. None: no check.
     """
 
     arms: tuple = ARMS
@@ -53,6 +58,7 @@ class UnitScaleConfig:
     warm_seed: int = 0
     warm_bucket_multiple: int | None = 32
     warm_start_per_seed: bool = False
+    premise_min_gap: float | None = None
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]

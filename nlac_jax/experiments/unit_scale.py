@@ -257,6 +257,22 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
+def premise_check(initial: dict, min_gap: float | None) -> tuple[bool, str]:
+    """(passed, one line) for a warm start's probe metrics against ``UnitScaleConfig.premise_min_gap``: the gap
+    probe/wasted_said_corpus - probe/wasted_said_other must be >= min_gap (None: always passes). A warm start
+    without the probe's metrics fails a check that was asked for."""
+    if min_gap is None:
+        return True, "no premise check"
+    corpus, other = initial.get("probe/wasted_said_corpus"), initial.get("probe/wasted_said_other")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (corpus, other)):
+        return False, f"premise failed: the warm start has no knowledge-probe metrics (premise_min_gap={min_gap})"
+    gap = corpus - other
+    verdict = "holds" if gap >= min_gap else "failed"
+    return gap >= min_gap, (f"premise {verdict}: the warm-start successor says 'wasted' for {corpus:.2f} of the "
+                            f"corpus rule's numbers and {other:.2f} of the others (gap {gap:.2f}, needed "
+                            f">= {min_gap:g})")
+
+
 # ----------------------------------------------------------------------------------------------- driver
 # the warm start's numbers progress.log shows before its seed's arms start
 _HEADLINE = ("eval/success_rate", "eval/critic_auc", "eval/critic_brier", "eval/verdict/accuracy")
@@ -284,14 +300,21 @@ def run_experiment(workdir: str) -> dict:
 
     results: dict = {a: {} for a in xcfg.arms}
     seconds: dict = {a: {} for a in xcfg.arms}
+    premise: dict = {}
     for seed in xcfg.seeds:
         initial = None
         if seed not in warm_dirs:
             warm_dirs[seed] = build_warm_start(workdir, xcfg, seed)
         warm_params = shared_params if warm_dirs[seed] == warm_dirs[xcfg.seeds[0]] else _load_params(run, warm_dirs[seed])
+        premise_file = os.path.join(workdir, f"premise_seed_{seed}.json")
+        if os.path.isfile(premise_file):
+            with open(premise_file) as f:
+                premise[seed] = tuple(json.load(f))
         for arm in xcfg.arms:
             out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
             done = os.path.join(out_dir, DONE)
+            if seed in premise and not premise[seed][0] and arm != "warm_start":
+                continue  # no arm of a seed whose warm start failed the premise
             if os.path.isfile(done):
                 results[arm][seed] = _read_rows(os.path.join(out_dir, "metrics.jsonl"))
                 with open(done) as f:
@@ -305,6 +328,14 @@ def run_experiment(workdir: str) -> dict:
                 _progress(workdir, f"warm start seed {seed}: " + ", ".join(
                     f"{k} {v:.3f}" for k, v in sorted(initial.items())
                     if isinstance(v, float) and (k.startswith("probe/") or k in _HEADLINE)))
+                if xcfg.premise_min_gap is not None and seed not in premise:
+                    premise[seed] = premise_check(initial, xcfg.premise_min_gap)
+                    with open(premise_file, "w") as f:
+                        json.dump(list(premise[seed]), f)
+                    _progress(workdir, f"seed {seed}: {premise[seed][1]}"
+                                       + ("" if premise[seed][0] else "; its arms are not run"))
+                if seed in premise and not premise[seed][0] and arm != "warm_start":
+                    continue
             t1 = time.perf_counter()
             rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
             secs = time.perf_counter() - t1
@@ -321,6 +352,8 @@ def run_experiment(workdir: str) -> dict:
     else:
         reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
     table = results_table(results, seconds, reference)
+    if premise:
+        table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
     curves, critic = plot_results(results, workdir)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write(f"# Unit-scale experiment ({len(tasks)} held-out episodes over {len({t.id for t in tasks})} test "
