@@ -4,6 +4,8 @@ own target builder, and the knowledge probe on a scripted critic (hand-computed 
 
 import json
 
+import math
+
 import pytest
 
 from nlac_jax.envs.base import TaskCursor
@@ -127,10 +129,23 @@ def test_waste_probe_by_hand():
     def successor(messages, j):
         g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
         return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 == 0 else "Reply: higher.")
-    sampler = ScriptedRoleSampler({"successor": successor})
+    def scores(messages, continuation, served):
+        # pi("... Reply: no answer.") = a for each outcome, every other reply b: P(wasted) = 2a / (2a + 8b),
+        # 0.8 for evens (a = 0.4, b = 0.025) and 0.1 for odds (a = 0.05, b = 0.1125)
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        assert served == "policy" and continuation.split("\n")[0] in ("Outcome: success; Return: 1",
+                                                                      "Outcome: failure; Return: 0")
+        a, b = (0.4, 0.025) if g % 2 == 0 else (0.05, 0.1125)
+        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
+    sampler = ScriptedRoleSampler({"successor": successor}, scores=scores)
     got = F.waste_probe(sampler, ps, 12, waste_every=3, samples=2)
+    p = {k: got.pop(k) for k in ("probe/p_wasted_rl", "probe/p_wasted_corpus", "probe/p_wasted_other")}
     assert got == {"probe/wasted_said_rl": 0.5, "probe/wasted_said_corpus": 1.0, "probe/wasted_said_other": 0.0,
                    "probe/knowledge_accuracy": 0.5}
+    # multiples of 3: 6, 12 at 0.8 and 3, 9 at 0.1; evens only: 0.8; neither: 0.1
+    assert p == pytest.approx({"probe/p_wasted_rl": 0.45, "probe/p_wasted_corpus": 0.8, "probe/p_wasted_other": 0.1})
+    (score_call,) = sampler.score_calls
+    assert score_call.role == "successor" and len(score_call.messages_batch) == 12 * 10
     # greedy by default (a deterministic function of the parameters); the other roles keep their settings
     (call,) = sampler.calls
     assert call.settings.temperature("successor") == 0.0

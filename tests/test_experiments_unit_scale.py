@@ -129,9 +129,12 @@ def test_premise_check_by_hand():
     probe = {"probe/wasted_said_corpus": 0.9, "probe/wasted_said_other": 0.3}
     assert premise_check(probe, None) == (True, "no premise check")
     ok, line = premise_check(probe, 0.5)
-    assert ok and "premise holds" in line and "gap 0.60" in line
+    assert ok and "premise holds" in line and "says 'wasted' for 0.90" in line and "gap 0.60" in line
     ok, line = premise_check({"probe/wasted_said_corpus": 0.55, "probe/wasted_said_other": 0.52}, 0.5)
     assert not ok and "premise failed" in line and "0.55" in line and "0.52" in line and "gap 0.03" in line
+    # the scored probabilities decide when present
+    ok, line = premise_check(dict(probe, **{"probe/p_wasted_corpus": 0.4, "probe/p_wasted_other": 0.3}), 0.5)
+    assert not ok and "gives P(wasted) 0.40" in line and "gap 0.10" in line
     ok, line = premise_check({"eval/success_rate": 0.3}, 0.5)  # no probe metrics: an asked-for check fails
     assert not ok and "no knowledge-probe metrics" in line
     assert not premise_check({"probe/wasted_said_corpus": float("nan"), "probe/wasted_said_other": 0.0}, 0.0)[0]

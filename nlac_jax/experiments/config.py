@@ -35,10 +35,10 @@ class UnitScaleConfig:
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
     premise_min_gap: the learned-critic experiment's premise, checked on each seed's warm start before its arms
-      run (`unit_scale.premise_check`): the greedy knowledge probe must say "wasted" for the corpus rule's numbers
-      at least this much more often than for numbers no rule wastes (probe/wasted_said_corpus -
-      probe/wasted_said_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic
-      that never held the corpus's knowledge) and the table says so. None: no check.
+      run (`unit_scale.premise_check`): the warm-start successor's scored P(wasted) on the corpus rule's numbers
+      must exceed its P(wasted) on numbers no rule wastes by at least this much (probe/p_wasted_corpus -
+      probe/p_wasted_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic that
+      never held the corpus's knowledge) and the table says so. None: no check.
     """
 
     arms: tuple = ARMS

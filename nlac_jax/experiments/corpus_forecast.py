@@ -32,10 +32,12 @@ Nothing is invented: every future is played by the real ``GuessNumberEnv``; exam
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Optional, Sequence
 
 import gin
+import numpy as np
 
 from nlac_jax.envs.base import Task, TaskCursor
 from nlac_jax.envs.toy import WASTED_REPLY, GuessNumberEnv, GuessNumberTaskSource, parse_guess
@@ -58,6 +60,7 @@ __all__ = [
     "forecast_corpus",
     "reference_success_rates",
     "waste_probe",
+    "waste_probabilities",
 ]
 
 PROMPT_SET = "toy_forecast"
@@ -351,7 +354,68 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     rl = [g for g in guesses if g % waste_every == 0]
     corpus = [g for g in guesses if g % corpus_waste_every == 0 and g % waste_every]
     other = [g for g in guesses if g % corpus_waste_every and g % waste_every]
+    p = waste_probabilities(sampler, prompts, state, guesses, params)
     return {"probe/wasted_said_rl": mean(said[g] for g in rl),
             "probe/wasted_said_corpus": mean(said[g] for g in corpus),
             "probe/wasted_said_other": mean(said[g] for g in other),
-            "probe/knowledge_accuracy": mean((said[g] > 0.5) == (g % waste_every == 0) for g in guesses)}
+            "probe/knowledge_accuracy": mean((said[g] > 0.5) == (g % waste_every == 0) for g in guesses),
+            "probe/p_wasted_rl": mean(p[g] for g in rl),
+            "probe/p_wasted_corpus": mean(p[g] for g in corpus),
+            "probe/p_wasted_other": mean(p[g] for g in other)}
+
+
+PROBE_REPLIES = ("no answer", "higher", "lower", "correct", "error")  # every first reply a forecast can give
+PROBE_OUTCOMES = ((True, 1.0), (False, 0.0))  # the toy game's returns: 1 for a win, 0 otherwise
+
+
+def waste_probabilities(sampler, prompts: PromptSet, state: list, guesses: Sequence[int],
+                        params: str = "policy") -> dict:
+    """P(the successor's forecast for guess g at ``state`` replies "no answer") per g, read from the model's
+    distribution instead of samples: the forecast's first two lines "Outcome: <o>; Return: <r>" / "Reply: <w>." are
+    scored for both outcomes and every reply word (one ``sampler.score`` call), and
+
+        P(wasted | g) = sum_o pi(o, "no answer") / sum_(o, w) pi(o, w)
+
+    (normalised over those continuations; they tokenize as prefixes of the trained targets). NaN where a score is
+    not finite (e.g. a scripted sampler without scores)."""
+    conts = [outcome_line(o, r) + f"\nReply: {w}." for o, r in PROBE_OUTCOMES for w in PROBE_REPLIES]
+    msgs = [prompts.successor(state, str(g)) for g in guesses]
+    lp = np.asarray(sampler.score([m for m in msgs for _ in conts], conts * len(msgs), params, "successor"),
+                    np.float64).reshape(len(msgs), len(conts))
+    wasted = np.asarray([w == WASTED_REPLY for _ in PROBE_OUTCOMES for w in PROBE_REPLIES])
+    with np.errstate(invalid="ignore"):
+        top = lp.max(axis=1, keepdims=True)
+        e = np.exp(lp - top)
+        p = e[:, wasted].sum(1) / e.sum(1)
+    return {g: float(v) if np.all(np.isfinite(row)) else math.nan for g, v, row in zip(guesses, p, lp)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m nlac_jax.experiments.corpus_forecast WARM_DIR [--n 32 --waste_every 3]``: the knowledge probe
+    (:func:`waste_probe`, greedy readouts and scored probabilities) of a saved warm start, as one JSON line."""
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("warm_dir", help="a warm start saved by unit_scale (WORKDIR/warm_start_seed_<s>)")
+    p.add_argument("--n", type=int, default=32)
+    p.add_argument("--waste_every", type=int, default=3, help="the RL game's rule")
+    p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule")
+    p.add_argument("--successor_tokens", type=int, default=56)
+    args = p.parse_args(argv)
+    from nlac_jax import sampling
+    from nlac_jax.experiments import warm_start
+    from nlac_jax.nlac.model_roles import ModelRoleSampler
+    from nlac_jax.roles import RoleSampling
+    cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
+    settings = RoleSampling(temperatures={"policy": 1.0},
+                            max_new_tokens={"policy": 6, "successor": args.successor_tokens})
+    roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=settings)
+    out = waste_probe(roles, PromptSet(task="toy", prompt_set=PROMPT_SET), args.n, args.waste_every,
+                      args.corpus_waste_every)
+    print(json.dumps({k: round(v, 4) for k, v in out.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -259,18 +259,21 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
 
 def premise_check(initial: dict, min_gap: float | None) -> tuple[bool, str]:
     """(passed, one line) for a warm start's probe metrics against ``UnitScaleConfig.premise_min_gap``: the gap
-    probe/wasted_said_corpus - probe/wasted_said_other must be >= min_gap (None: always passes). A warm start
-    without the probe's metrics fails a check that was asked for."""
+    probe/p_wasted_corpus - probe/p_wasted_other (the scored probabilities; the greedy readouts
+    probe/wasted_said_* when those are absent) must be >= min_gap (None: always passes). A warm start without the
+    probe's metrics fails a check that was asked for."""
     if min_gap is None:
         return True, "no premise check"
-    corpus, other = initial.get("probe/wasted_said_corpus"), initial.get("probe/wasted_said_other")
+    # the scored probability when the probe has it (no sampling, not the mode), else the greedy readout
+    kind = "p_wasted" if "probe/p_wasted_corpus" in initial else "wasted_said"
+    corpus, other = initial.get(f"probe/{kind}_corpus"), initial.get(f"probe/{kind}_other")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (corpus, other)):
         return False, f"premise failed: the warm start has no knowledge-probe metrics (premise_min_gap={min_gap})"
     gap = corpus - other
     verdict = "holds" if gap >= min_gap else "failed"
-    return gap >= min_gap, (f"premise {verdict}: the warm-start successor says 'wasted' for {corpus:.2f} of the "
-                            f"corpus rule's numbers and {other:.2f} of the others (gap {gap:.2f}, needed "
-                            f">= {min_gap:g})")
+    how = "gives P(wasted)" if kind == "p_wasted" else "says 'wasted' for"
+    return gap >= min_gap, (f"premise {verdict}: the warm-start successor {how} {corpus:.2f} on the corpus rule's "
+                            f"numbers and {other:.2f} on the others (gap {gap:.2f}, needed >= {min_gap:g})")
 
 
 # ----------------------------------------------------------------------------------------------- driver
