@@ -6,10 +6,11 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
+import threading
 
 import jax
 import pytest
@@ -309,7 +310,6 @@ def test_model_backed_env_through_the_client(served, name, kw):
 
 
 def test_server_killed_mid_run_one_line_error_and_cache_kept(model_dir, tmp_path):
-    import threading
 
     from werkzeug.serving import make_server
     server = JudgeServer(models.load_pretrained(model_dir), NAME, default_max_tokens=4)
@@ -376,19 +376,23 @@ def test_train_refuses_an_unreachable_judge_at_start_up(tmp_path):
 
 
 def test_serve_cli_subprocess(model_dir):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nlac_jax.serve", "--model_dir", model_dir, "--port", str(port)],
+    # --port 0: the server binds a free port itself (no port chosen here that another process could take first) and
+    # logs "serving NAME on http://HOST:PORT/v1" once it listens: the test waits for that line, not for a clock
+    proc = subprocess.Popen([sys.executable, "-m", "nlac_jax.serve", "--model_dir", model_dir, "--port", "0"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{port}/v1"
-        client = _client(url, max_tokens=4)
-        for _ in range(240):
-            try:
-                client.check()
+        seen, url = [], None
+        for line in proc.stderr:  # ends at EOF if the server exits before listening
+            seen.append(line)
+            m = re.search(r" serving \S+ on (http://127\.0\.0\.1:\d+/v1)", line)
+            if m:
+                url = m.group(1)
                 break
-            except JudgeError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.25)
+        assert url is not None, "".join(seen)[-3000:]
+        drain = threading.Thread(target=proc.stderr.read, daemon=True)  # a full pipe must never block the server
+        drain.start()
+        client = _client(url, max_tokens=4)
+        client.check()
         assert client(["hello"])[0] is not None
     finally:
         proc.terminate()
@@ -418,8 +422,7 @@ class FakeEndpoint:
     chat; `dies_when()` (checked before every chat request) takes the server down for good, mid-run."""
 
     def __init__(self, answer, dies_when=lambda: False):
-        import threading
-
+    
         from werkzeug.serving import make_server
         from werkzeug.wrappers import Request, Response
         self.answer, self.dies_when, self.chats, self.dead = answer, dies_when, [], False

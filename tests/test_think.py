@@ -61,10 +61,11 @@ def _time(fn, *args):
     " " * 50_000 + "Action x",
 ])
 def test_hostile_output_is_fast(hostile):
-    """Every parser a model output meets is linear: each input takes well under a second (before, parse_verdict
-    took 30 s and parse_outcome 15 s on the 50,000-space cases: adjacent quantifiers over the same spaces)."""
+    """Every parser a model output meets is linear: each input takes milliseconds (before, parse_verdict took 30 s
+    and parse_outcome 15 s on the 50,000-space cases: adjacent quantifiers over the same spaces). The 5 s guard
+    separates the two by orders of magnitude either way, so a loaded machine cannot trip it."""
     for fn in (clean_action, strip_think, parse_verdict, parse_outcome):
-        assert _time(fn, hostile) < 1.0, fn.__name__
+        assert _time(fn, hostile) < 5.0, fn.__name__
 
 
 # ------------------------------------------------------------------------------------------ acting
