@@ -35,7 +35,7 @@ class GcsEmulator:
             [str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
              "-port", str(self.port), "-external-url", self.url, "-log-level", "warn"],
             stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30  # a guard against a broken binary only: the loop ends as soon as it answers
+        deadline = time.monotonic() + 120  # a guard against a broken binary only: the loop ends as soon as it answers
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2).read()
