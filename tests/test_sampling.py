@@ -427,6 +427,18 @@ def test_compute_dtype_weights_give_identical_outputs(family, tmp_path):
         assert nbytes(fast.run_params(m.params)) < 0.6 * nbytes(master.run_params(m.params))
     fast.release()
     assert fast._layouts == []
+    # on a mesh (the TPU path: scanned loop, sharded trees) the copy keeps each weight's sharding
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=4)
+    params = jax.device_put(m.params, models.param_shardings(cfg, mesh))
+    fast = sampling.Sampler(cfg, mesh=mesh, layer_loop="scan")
+    master = sampling.Sampler(cfg, mesh=mesh, layer_loop="scan", weights="master")
+    a, b = fast.generate(params, prompts(), **kw), master.generate(params, prompts(), **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    with sharding.use_mesh(mesh):
+        copy = fast.run_params(params)
+    for x, y in zip(jax.tree.leaves(copy), jax.tree.leaves(params)):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
 
 
 # ----------------------------------------------------------------------------------------------- sharding

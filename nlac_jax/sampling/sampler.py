@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import sharding, xla_options
+from nlac_jax import models, sharding, xla_options
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
@@ -144,9 +144,15 @@ class Sampler:
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
-        self._to_layout = jax.jit(lambda params: self.weights_for_inference(
-            layout_params(run_cfg, params) if layer_loop == "scan" else
-            fuse_projections(layout_params(run_cfg, params), cfg.num_layers, fuse_qkv)))
+        def to_layout(params):
+            return self.weights_for_inference(layout_params(run_cfg, params) if layer_loop == "scan" else
+                                              fuse_projections(layout_params(run_cfg, params), cfg.num_layers,
+                                                               fuse_qkv))
+        if layer_loop == "scan" and mesh is not None:
+            # the copy keeps the trees' own shardings: those the planner compiles the executables for
+            self._to_layout = jax.jit(to_layout, out_shardings=models.param_shardings(run_cfg, mesh, rules))
+        else:
+            self._to_layout = jax.jit(to_layout)
         self._layouts: list = []  # [(leaf ids, source tree, tree in the run layout)], newest first
 
     # ------------------------------------------------------------------ helpers
@@ -165,7 +171,6 @@ class Sampler:
         if self.mesh is None:
             return params
         if self._param_shardings is None:
-            from nlac_jax import models
             self._param_shardings = models.param_shardings(self.cfg, self.mesh, self.rules)
         return jax.device_put(params, self._param_shardings)
 
