@@ -35,10 +35,13 @@ Design
 * Layer loop: a model option (`ModelConfig.scan_layers`). On CPU (default `layer_loop='auto'`) the sampler runs the
   model with scan_layers=False: a Python loop over the same `DecoderLayer` modules with a per-layer KV cache; the
   scanned weights are sliced per layer, and gate/up (and q/k/v without tensor parallelism) fused into one matmul
-  each, once per parameter tree (`Sampler.run_params`, the last two trees kept), and each layer's cache buffer is
+  each, once per parameter tree (`Sampler.run_params`, the last three trees kept), and each layer's cache buffer is
   updated in place. With `nn.scan`, XLA:CPU copies every layer's weights out of the stack on every decode step (2-3x
-  the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder (no second copy of the weights in memory);
-  `layer_loop='unrolled'|'scan'` forces either.
+  the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder; `layer_loop='unrolled'|'scan'` forces either.
+* Inference weights: either loop reads the matmul weights in the compute dtype (`decoder.inference_weights`: a bf16
+  copy of float32 master weights, made in the same once-per-tree step, sharded as the tree is; bit-identical
+  outputs, half the weight bytes a decode step streams). `Sampler.release()` drops the cached trees (the loop does,
+  before its train step); `Sampler(weights='master')` reads the trees as given.
 * Continuous batching (`generate(..., slots=S)` with more than S prompts): S slots (bucketed); the host refills the
   rows that finished with waiting prompts, R at a time (default S // 8), between decode calls (`decode` returns once
   R more rows are done: `return_when_done`). `refill` prefills R prompts straight into R slots of the running state
