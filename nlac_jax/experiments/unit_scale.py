@@ -303,7 +303,10 @@ def run_experiment(workdir: str) -> dict:
 
     results: dict = {a: {} for a in xcfg.arms}
     seconds: dict = {a: {} for a in xcfg.arms}
-    premise: dict = {}
+    premise: dict = {}  # seed -> (passed, line)
+
+    def premise_skips(seed, arm) -> bool:  # no trained arm of a seed whose warm start failed the premise
+        return seed in premise and not premise[seed][0] and arm != "warm_start"
     for seed in xcfg.seeds:
         initial = None
         if seed not in warm_dirs:
@@ -316,8 +319,8 @@ def run_experiment(workdir: str) -> dict:
         for arm in xcfg.arms:
             out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
             done = os.path.join(out_dir, DONE)
-            if seed in premise and not premise[seed][0] and arm != "warm_start":
-                continue  # no arm of a seed whose warm start failed the premise
+            if premise_skips(seed, arm):
+                continue
             if os.path.isfile(done):
                 results[arm][seed] = _read_rows(os.path.join(out_dir, "metrics.jsonl"))
                 with open(done) as f:
@@ -337,7 +340,7 @@ def run_experiment(workdir: str) -> dict:
                         json.dump(list(premise[seed]), f)
                     _progress(workdir, f"seed {seed}: {premise[seed][1]}"
                                        + ("" if premise[seed][0] else "; its arms are not run"))
-                if seed in premise and not premise[seed][0] and arm != "warm_start":
+                if premise_skips(seed, arm):
                     continue
             t1 = time.perf_counter()
             rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
