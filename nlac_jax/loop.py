@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -49,6 +50,10 @@ class LoopConfig:
       (ceil(examples / batch_size) steps, the last batch partly padding); an integer cycles through the shuffled
       examples for that many steps (so each target is reused train_steps * batch_size / examples times, logged as
       train/updates_per_target). batch_size: examples per step (mixed kinds).
+    share_prefixes: each train batch is packed with its examples' shared prompt prefixes computed once
+      (training/prefix_packing.py: the same examples, the same losses, fewer tokens; rows then vary with the
+      sharing, a power of two times the data-parallel size, so a run may compile a few more train-step shapes).
+      train/tokens_presented and train/tokens_computed report what it saves. Off by default.
     max_len: tokens per example (prompt + target). Every role prompt is fitted to max_len minus the longest target
       it is sampled with or trained on (text.PromptFitter: middle messages of the state are elided, the system
       prompt and task never); the run refuses to start when an initial prompt cannot fit.
@@ -80,6 +85,7 @@ class LoopConfig:
     policy_examples: int = 8
     train_steps: int | None = 2
     batch_size: int = 8
+    share_prefixes: bool = False
     max_len: int = 1024
     eval_before_training: bool = False
     eval_every: int = 2
@@ -369,9 +375,14 @@ class NLACRun:
         longer than max_len are dropped and counted, never cut; train_steps=None is one pass)."""
         from nlac_jax import text
         items = [text.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
+        pad = self.tokenizer.pad_token_id or 0
+        packer = None
+        if self.loop.share_prefixes:
+            from nlac_jax.training.prefix_packing import pack_shared_prefix
+            rows = math.lcm(self.step_fn.data_parallel, max(1, self.step_fn.config.num_microbatches))
+            packer = lambda c: pack_shared_prefix(c, self.loop.max_len, pad_id=pad, row_multiple=rows)  # noqa: E731
         batches, m = text.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
-                                             train_steps=self.loop.train_steps,
-                                             pad_id=self.tokenizer.pad_token_id or 0)
+                                             train_steps=self.loop.train_steps, pad_id=pad, packer=packer)
         if m["train/dropped_examples"]:
             log.warning("%d of %d examples are longer than LoopConfig.max_len=%d (target too long): dropped",
                         m["train/dropped_examples"], len(items), self.loop.max_len)

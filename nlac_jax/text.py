@@ -455,7 +455,11 @@ class PackedBatch:
     denom_examples [B]    float32  and examples with targets, of that kind per batch; this batch's own counts
                                    from `pack_examples`, the mean over the iteration's batches from
                                    `pack_train_batches` (`share_loss_denominators`)
-    num_examples:   rows holding real examples (the first num_examples rows; the rest are dummy rows)
+    segment_ids    [B, T] int32    only in a shared-prefix packed batch (training/prefix_packing.py), where a
+    branch_ids     [B, T] int32    row holds several examples: segment = prompt-sharing group (0 = padding),
+                                   branch = 0 on the group's shared prefix, else the example's own id in the row;
+                                   kind, weight and the denominators are then per token [B, T]
+    num_examples:   examples in the batch (unpacked: the first num_examples rows; the rest are dummy rows)
     num_truncated:  examples whose prompt was left-truncated to fit max_len (only with truncate=True)
     tokens_dropped: prompt tokens removed by that truncation, in total
     """
@@ -468,16 +472,19 @@ class PackedBatch:
     weight: np.ndarray
     denom_tokens: np.ndarray | None = None  # None: set from the batch itself in __post_init__
     denom_examples: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+    branch_ids: np.ndarray | None = None
     num_examples: int = 0
     num_truncated: int = 0
     tokens_dropped: int = 0
 
     ARRAY_FIELDS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight", "denom_tokens",
                     "denom_examples")
+    PACKED_FIELDS = ("segment_ids", "branch_ids")
 
     def __post_init__(self):
         if self.denom_tokens is None or self.denom_examples is None:  # a batch on its own is its own iteration
-            tok, ex = row_denominators(kind_counts(self.loss_mask, self.kind), self.kind)
+            tok, ex = row_denominators(kind_counts(self.loss_mask, self.kind, self.branch_ids), self.kind)
             object.__setattr__(self, "denom_tokens", tok)
             object.__setattr__(self, "denom_examples", ex)
 
@@ -492,16 +499,26 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        """The arrays as a dict (what the jitted train step takes)."""
-        return {k: getattr(self, k) for k in self.ARRAY_FIELDS}
+        """The arrays as a dict (what the jitted train step takes); a packed batch adds its PACKED_FIELDS."""
+        keys = self.ARRAY_FIELDS + (self.PACKED_FIELDS if self.branch_ids is not None else ())
+        return {k: getattr(self, k) for k in keys}
 
 
-def kind_counts(loss_mask: np.ndarray, kind: np.ndarray) -> np.ndarray:
+def kind_counts(loss_mask: np.ndarray, kind: np.ndarray, branch_ids: np.ndarray | None = None) -> np.ndarray:
     """[2, 2] float64 counts of a token batch, as the loss counts them (loss_mask[:, 0] predicts nothing):
-    [k, 0] = target tokens of kind k, [k, 1] = rows of kind k with at least one target."""
+    [k, 0] = target tokens of kind k, [k, 1] = examples of kind k with at least one target (rows; in a packed
+    batch, with ``branch_ids`` and per-token ``kind`` [B, T], distinct (row, branch) pairs)."""
+    out = np.zeros((2, 2))
+    if branch_ids is not None:
+        lm = np.asarray(loss_mask, np.float64)[:, 1:] > 0
+        kt, bt = np.asarray(kind)[:, 1:], np.asarray(branch_ids)[:, 1:]
+        rows = np.broadcast_to(np.arange(lm.shape[0])[:, None], lm.shape)
+        for k in (KIND_CRITIC, KIND_POLICY):
+            sel = lm & (kt == k)
+            out[k] = (np.count_nonzero(sel), len(set(zip(rows[sel].tolist(), bt[sel].tolist()))))
+        return out
     n_b = np.asarray(loss_mask, np.float64)[:, 1:].sum(axis=1)
     kind = np.asarray(kind)
-    out = np.zeros((2, 2))
     for k in (KIND_CRITIC, KIND_POLICY):
         out[k] = (n_b[kind == k].sum(), np.count_nonzero(n_b[kind == k] > 0))
     return out
@@ -520,7 +537,7 @@ def share_loss_denominators(batches: Sequence[PackedBatch]) -> list[PackedBatch]
     average to the per-token (per-example) mean over all of them (training/loss.py)."""
     if not batches:
         return []
-    counts = sum(kind_counts(b.loss_mask, b.kind) for b in batches) / len(batches)
+    counts = sum(kind_counts(b.loss_mask, b.kind, b.branch_ids) for b in batches) / len(batches)
     return [dataclasses.replace(b, **dict(zip(("denom_tokens", "denom_examples"), row_denominators(counts, b.kind))))
             for b in batches]
 
@@ -627,6 +644,7 @@ def pack_train_batches(
     batch_size: int,
     train_steps: int | None,
     pad_id: int = 0,
+    packer: Callable[[list[Example]], PackedBatch] | None = None,
 ) -> tuple[list[PackedBatch], dict[str, float]]:
     """Token batches for one iteration's train steps (each a `pack_examples` batch [batch_size, T <= max_len]), and
     their metrics.
@@ -637,7 +655,11 @@ def pack_train_batches(
     cut. The kept examples are shuffled with `rng`. train_steps=None: one pass (ceil(n / batch_size) batches, the
     last padded with dummy rows); an integer: that many batches cycling through the shuffled examples. All batches
     share the iteration's loss denominators (`share_loss_denominators`).
-    Metrics: train/examples (n kept), train/updates_per_target (example rows used / n), train/dropped_examples.
+    packer: lays out each batch's examples instead of `pack_examples` (e.g. training.prefix_packing's
+      shared-prefix packing: the same examples per batch, each shared prompt prefix computed once, same losses).
+    Metrics: train/examples (n kept), train/updates_per_target (example rows used / n), train/dropped_examples,
+    train/tokens_presented (prompt + target tokens of the batches' examples) and train/tokens_computed (the real
+    tokens the batches hold: fewer than presented only with a sharing packer).
     """
     kept = [x for x in examples if len(x.prompt_ids) + len(x.target_ids) <= max_len]
     order = rng.permutation(len(kept)) if kept else []
@@ -649,11 +671,16 @@ def pack_train_batches(
             chunks = [items[s:s + B] for s in range(0, n, B)]
         else:
             chunks = [[items[(s * B + j) % n] for j in range(min(B, n))] for s in range(train_steps)]
-        batches = [pack_examples(c, max_len, pad_id=pad_id, batch_size=B) for c in chunks]
+        pack = packer or (lambda c: pack_examples(c, max_len, pad_id=pad_id, batch_size=B))
+        batches = [pack(c) for c in chunks]
         batches = share_loss_denominators(batches)  # an example's loss weight must not depend on its batch's mix
+    else:
+        chunks = []
     used = sum(b.num_examples for b in batches)
     return batches, {"train/examples": n, "train/updates_per_target": used / n if n else 0.0,
-                     "train/dropped_examples": len(examples) - n}
+                     "train/dropped_examples": len(examples) - n,
+                     "train/tokens_presented": sum(len(x.prompt_ids) + len(x.target_ids) for c in chunks for x in c),
+                     "train/tokens_computed": sum(int(b.attention_mask.sum()) for b in batches)}
 
 
 def left_pad(

@@ -145,6 +145,22 @@ def attention_mask_bias(q_slot: Array, kv_mask: Array, window: int | None = None
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
 
 
+def packed_mask_bias(segment_ids: Array, branch_ids: Array, positions: Array, window: int | None = None) -> Array:
+    """Additive bias [B, 1, 1, T, T] for shared-prefix packed rows (training/prefix_packing.py). A row holds
+    groups (segment_ids 1, 2, ..; 0 = padding); a group is a shared prompt prefix (branch_ids 0) followed by its
+    examples' own tokens (branch_ids 1, 2, .., unique in the row). Key s is visible to query t iff s <= t, both are
+    in the same group, and s is in the prefix or in t's own branch: each example sees exactly its unpacked row.
+    The sliding window is measured in POSITIONS (a branch's positions continue from its prefix's, not its slots)."""
+    seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]
+    br_q, br_k = branch_ids[:, :, None], branch_ids[:, None, :]
+    T = segment_ids.shape[1]
+    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    ok = causal[None] & (seg_k > 0) & (seg_k == seg_q) & ((br_k == 0) | (br_k == br_q))
+    if window is not None:
+        ok = ok & (positions[:, None, :] > positions[:, :, None] - window)
+    return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
+
+
 def write_slots(buf: Array, new: Array, index: Array, slot_axis: int = 1) -> Array:
     """buf [B, ..., S, ...] with new [B, ..., T, ...] written at slots index..index+T-1 of `slot_axis`: `index` an
     int32 scalar (every row at the same slot: one in-place dynamic_update_slice) or [B] (a slot per row: continuous
@@ -383,7 +399,7 @@ class CausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array, attention_mask: Array, cache: dict | None = None,
-                 return_hidden: bool = False, fresh_cache: bool = False):
+                 return_hidden: bool = False, fresh_cache: bool = False, segments: tuple | None = None):
         """Forward pass.
 
         tokens, positions, attention_mask: int32 [B, T] (attention_mask 1 = real token, 0 = padding).
@@ -393,6 +409,8 @@ class CausalLM(nn.Module):
         fresh_cache: the cache is empty with index 0 (a prefill): the tokens attend among themselves only, as without
           a cache, instead of over all S slots (S - T of them masked); the result is the same, at T/S of the score
           work and with the causal query blocks (cfg.attn_query_block).
+        segments: None, or (segment_ids, branch_ids) int32 [B, T] of a shared-prefix packed batch (no cache): the
+          attention follows `packed_mask_bias` instead of one causal sequence per row.
         Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
         """
         cfg = self.cfg
@@ -410,12 +428,18 @@ class CausalLM(nn.Module):
             layer_caches = {"k": cache["k"], "v": cache["v"]}
         q_slot = jnp.broadcast_to(jnp.expand_dims(index, -1) + jnp.arange(T, dtype=jnp.int32), (B, T))
         seen = attention_mask if fresh_cache else kv_mask  # the keys the queries attend to
-        attn_in = {"full": rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-                   + (attention_mask_bias(q_slot, seen),)}
+        if segments is not None and cache is not None:
+            raise ValueError("segments (a shared-prefix packed batch) are for cache-free forward passes only")
+
+        def bias(window=None):
+            if segments is not None:
+                return packed_mask_bias(segments[0], segments[1], positions, window)
+            return attention_mask_bias(q_slot, seen, window)
+        attn_in = {"full": rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) + (bias(),)}
         sliding = tuple(t == "sliding" for t in cfg.layer_types) or (False,) * cfg.num_layers
         if cfg.has_sliding_layers:
             attn_in["sliding"] = rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta) \
-                + (attention_mask_bias(q_slot, seen, cfg.sliding_window),)
+                + (bias(cfg.sliding_window),)
         fresh = fresh_cache and cache is not None
 
         layer_cls = DecoderLayer

@@ -41,14 +41,49 @@ def shift_targets(input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array
     return labels, tmask
 
 
+def _shift(x: jax.Array) -> jax.Array:
+    """x[:, t+1] at column t (the last column 0): a per-token value of the TARGET each position predicts."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def _packed_coefficients(tmask, kind, weight, branch_ids, normalisation, denom_tokens, denom_examples):
+    """loss_coefficients for a shared-prefix packed batch: kind, weight, denominators and branch ids per token
+    [B, T] (the example each token belongs to; training/prefix_packing.py), so an example's n_b is its own
+    branch's target count. Same formulas, example by example."""
+    B, T = tmask.shape
+    kind_t, w_t = _shift(kind), _shift(weight.astype(jnp.float32))
+    ex = (jnp.arange(B)[:, None] * T + _shift(branch_ids)).reshape(-1)  # a unique id per (row, branch)
+    n_e = jax.ops.segment_sum(tmask.reshape(-1), ex, num_segments=B * T)[ex].reshape(B, T)
+    coefs, stats = [], {}
+    for k, name in ((KIND_CRITIC, "critic"), (KIND_POLICY, "policy")):
+        is_k = (kind_t == k).astype(jnp.float32) * tmask
+        n_tok = jnp.sum(is_k)
+        n_ex = jnp.sum(is_k / jnp.maximum(n_e, 1.0))  # each example's target tokens sum to 1
+        if normalisation == "token":
+            d = n_tok if denom_tokens is None else _shift(denom_tokens.astype(jnp.float32))
+        else:
+            d = n_ex if denom_examples is None else _shift(denom_examples.astype(jnp.float32))
+        c = w_t * is_k / jnp.where(d > 0, d, 1.0)
+        if normalisation == "sequence":
+            c = c / jnp.maximum(n_e, 1.0)
+        coefs.append(c)
+        stats[f"{name}_tokens"] = n_tok
+        stats[f"{name}_examples"] = n_ex
+    return jnp.stack(coefs), stats
+
+
 def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token", denom_tokens=None,
-                      denom_examples=None) -> tuple[jax.Array, dict]:
+                      denom_examples=None, branch_ids=None) -> tuple[jax.Array, dict]:
     """Per-token coefficients coef [2, B, T] (coef[k] turns token NLLs into L_k, see the module docstring; indexed
     like the SHIFTED targets) and this batch's counts {critic_tokens, policy_tokens, critic_examples,
-    policy_examples}. denom_tokens / denom_examples [B]: N_k / S_k of each row's kind (None: this batch's counts)."""
+    policy_examples}. denom_tokens / denom_examples [B]: N_k / S_k of each row's kind (None: this batch's counts).
+    A shared-prefix packed batch (several examples per row) passes branch_ids [B, T], and kind, weight and the
+    denominators per token [B, T]."""
     if normalisation not in NORMALISATIONS:
         raise ValueError(f"normalisation={normalisation!r}: expected one of {NORMALISATIONS}")
     _, tmask = shift_targets(jnp.zeros(loss_mask.shape, jnp.int32), loss_mask)
+    if branch_ids is not None:
+        return _packed_coefficients(tmask, kind, weight, branch_ids, normalisation, denom_tokens, denom_examples)
     n_b = tmask.sum(axis=1)  # [B]
     w = weight.astype(jnp.float32)
     coefs, stats = [], {}

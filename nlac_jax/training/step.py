@@ -36,6 +36,17 @@ _BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions":
                  "loss_mask": np.float32, "kind": np.int32, "weight": np.float32, "denom_tokens": np.float32,
                  "denom_examples": np.float32}
 _DENOM_KEYS = ("denom_tokens", "denom_examples")
+# a shared-prefix packed batch (training/prefix_packing.py) adds these; its kind, weight, denominators are [B, T]
+PACKED_KEYS = ("segment_ids", "branch_ids")
+_BATCH_DTYPES.update({k: np.int32 for k in PACKED_KEYS})
+
+
+def batch_keys(batch: Mapping) -> tuple[str, ...]:
+    """The contract keys of this batch: BATCH_KEYS, plus PACKED_KEYS for a packed batch (both or neither)."""
+    have = [k for k in PACKED_KEYS if k in batch]
+    if have and len(have) != len(PACKED_KEYS):
+        raise KeyError(f"packed train batch has {have} but not {[k for k in PACKED_KEYS if k not in have]}")
+    return BATCH_KEYS + (PACKED_KEYS if have else ())
 
 METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples",
                "num_tokens", "grad_norm", "learning_rate", "skipped", "skipped_total", "consecutive_skips", "step")
@@ -52,7 +63,8 @@ def _with_denominators(batch: Mapping) -> dict:
         if any(isinstance(batch[k], jax.Array) for k in ("loss_mask", "kind")):
             raise KeyError(f"train batch of jax.Arrays is missing {list(_DENOM_KEYS)} (text.share_loss_denominators)")
         lm, kind = np.asarray(batch["loss_mask"]), np.asarray(batch["kind"])
-        batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind), kind)
+        br = np.asarray(batch["branch_ids"]) if "branch_ids" in batch else None
+        batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind, br), kind)
     return batch
 
 
@@ -77,8 +89,9 @@ class StepConfig:
 # ----------------------------------------------------------------------------- pure functions (traced)
 def _microbatch_loss(params, mb, cfg: ModelConfig, sc: StepConfig):
     """Σ coef·nll over one micro-batch: (total, [L1 part, L2 part])."""
+    segments = (mb["segment_ids"], mb["branch_ids"]) if "segment_ids" in mb else None
     hidden, _ = CausalLM(cfg).apply({"params": params}, mb["input_ids"], mb["positions"], mb["attention_mask"],
-                                    return_hidden=True)
+                                    return_hidden=True, segments=segments)
     if sc.loss_positions:
         parts = loss_lib.target_position_losses(cfg, hidden, params, mb["labels"], mb["coef"], sc.loss_positions,
                                                 chunk=sc.loss_chunk)
@@ -100,10 +113,11 @@ def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc:
     info: l1, l2 and the per-kind counts of loss_lib.loss_coefficients, plus num_tokens (real tokens in the batch).
     """
     coef, counts = loss_lib.loss_coefficients(batch["loss_mask"], batch["kind"], batch["weight"], sc.normalisation,
-                                              batch["denom_tokens"], batch["denom_examples"])
+                                              batch["denom_tokens"], batch["denom_examples"], batch.get("branch_ids"))
     labels, _ = loss_lib.shift_targets(batch["input_ids"], batch["loss_mask"])
     data = {"input_ids": batch["input_ids"], "positions": batch["positions"],
             "attention_mask": batch["attention_mask"], "labels": labels, "coef": coef.swapaxes(0, 1)}  # coef [B,2,T]
+    data.update({k: batch[k] for k in PACKED_KEYS if k in batch})
     grad_fn = jax.value_and_grad(
         lambda p, mb: _microbatch_loss(p, {**mb, "coef": mb["coef"].swapaxes(0, 1)}, cfg, sc), has_aux=True)
     to_f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)  # noqa: E731
@@ -223,7 +237,9 @@ class TrainStep:
         self.cfg, self.mesh, self.optimizer, self.config, self.rules = cfg, mesh, optimizer, sc, rules
         self.max_consecutive_skips = sc.max_consecutive_skips  # host-side guard; may be changed between calls
         self.state_shardings = state_shardings(cfg, mesh, optimizer, rules)
-        self.batch_shardings = sharding.batch_shardings(mesh, rules)
+        every = sharding.batch_shardings(mesh, rules)
+        self.batch_shardings = {k: every[k] for k in BATCH_KEYS}
+        self.packed_batch_shardings = {k: every[k] for k in BATCH_KEYS + PACKED_KEYS}
         self.data_parallel = sharding.data_parallel_size(mesh, rules)
         rep = NamedSharding(mesh, P())
         fn = lambda state, batch: train_step(state, batch, cfg, optimizer, sc,  # noqa: E731
@@ -231,10 +247,16 @@ class TrainStep:
         if compiler_options is None:
             compiler_options = default_compiler_options(cfg, mesh)
         self.compiler_options = dict(compiler_options)
-        self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings),
-                              out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
-                              compiler_options=self.compiler_options or None)
+        # one jit per batch layout (the in_shardings tree must match the batch's keys); the packed one compiles
+        # only if a packed batch arrives
+        self.jitted, self.packed_jitted = (
+            jax.jit(fn, in_shardings=(self.state_shardings, bs), out_shardings=(self.state_shardings, rep),
+                    donate_argnums=(0,), compiler_options=self.compiler_options or None)
+            for bs in (self.batch_shardings, self.packed_batch_shardings))
         self._pending = None
+
+    def _jit_for(self, batch: Mapping):
+        return self.packed_jitted if "segment_ids" in batch else self.jitted
 
     def prepare_batch(self, batch) -> dict:
         """Validate and convert a host batch (dict or PackedBatch) to the contract dtypes."""
@@ -246,10 +268,10 @@ class TrainStep:
         if missing:
             raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
         out = {k: (batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k], _BATCH_DTYPES[k]))
-               for k in BATCH_KEYS}
+               for k in batch_keys(batch)}
         if jax.process_count() > 1:  # multi-host: each process passes ITS rows; assemble the global batch
             out = {k: v if isinstance(v, jax.Array) else
-                   jax.make_array_from_process_local_data(self.batch_shardings[k], v) for k, v in out.items()}
+                   jax.make_array_from_process_local_data(self.packed_batch_shardings[k], v) for k, v in out.items()}
         B = out["input_ids"].shape[0]
         m = self.config.num_microbatches
         if B % max(m, 1):
@@ -272,17 +294,18 @@ class TrainStep:
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise KeyError(f"train batch is missing {missing} (contract: {BATCH_KEYS})")
-        host = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in BATCH_KEYS}
-        return replicated_to_global(host, {k: self.batch_shardings[k] for k in BATCH_KEYS})
+        host = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in batch_keys(batch)}
+        return replicated_to_global(host, {k: self.packed_batch_shardings[k] for k in host})
 
     def lower(self, state, batch):
+        batch = self.prepare_batch(batch)
         with sharding.use_mesh(self.mesh, self.rules):
-            return self.jitted.lower(state, self.prepare_batch(batch))
+            return self._jit_for(batch).lower(state, batch)
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         batch = self.prepare_batch(batch)
         with sharding.use_mesh(self.mesh, self.rules):
-            new_state, metrics = self.jitted(state, batch)
+            new_state, metrics = self._jit_for(batch)(state, batch)
         prev, self._pending = self._pending, metrics
         if prev is not None:
             check_finite(prev, self.max_consecutive_skips)
@@ -341,13 +364,15 @@ def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_w
     sc = StepConfig(critic_weight=critic_weight, policy_weight=policy_weight, normalisation=normalisation,
                     num_microbatches=num_microbatches, loss_chunk=loss_chunk, loss_positions=loss_positions)
     ps = models.param_shardings(cfg, mesh, rules)
-    bs = sharding.batch_shardings(mesh, rules)
-    jitted = jax.jit(lambda p, b: loss_and_grads(p, b, cfg, sc, ps), in_shardings=(ps, bs),
-                     out_shardings=(NamedSharding(mesh, P()), ps, NamedSharding(mesh, P())))
+    every = sharding.batch_shardings(mesh, rules)
+    jitted = {keys: jax.jit(lambda p, b: loss_and_grads(p, b, cfg, sc, ps), in_shardings=(ps, {k: every[k] for k in keys}),
+                            out_shardings=(NamedSharding(mesh, P()), ps, NamedSharding(mesh, P())))
+              for keys in (BATCH_KEYS, BATCH_KEYS + PACKED_KEYS)}
 
     def run(params, batch):
         batch = _with_denominators(batch.as_dict() if hasattr(batch, "as_dict") else batch)
-        batch = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in BATCH_KEYS}
+        keys = batch_keys(batch)
+        batch = {k: np.asarray(batch[k], _BATCH_DTYPES[k]) for k in keys}
         with sharding.use_mesh(mesh, rules):
-            return jitted(jax.device_put(params, ps), batch)
+            return jitted[keys](jax.device_put(params, ps), batch)
     return run

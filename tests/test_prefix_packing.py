@@ -1,0 +1,193 @@
+"""Shared-prefix packing of train batches (training/prefix_packing.py): the layout by hand, the attention mask by
+hand, and losses and gradients equal to the unpacked batch's for every family, scanned and unrolled, on 1 and 8
+devices, both normalisations."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from nlac_jax import models, sharding, text, training
+from nlac_jax.models import decoder
+from nlac_jax.training import loss as loss_lib
+from nlac_jax.training import prefix_packing as pp
+
+from hf_reference import make_hf_model
+
+P20 = list(range(1, 21))
+HAND = [text.Example(P20 + [30], [40, 41], kind=0, weight=1.0),
+        text.Example(P20 + [31, 32], [42], kind=1, weight=2.0),
+        text.Example([50, 51], [52], kind=0, weight=0.5)]
+
+
+def test_layout_by_hand():
+    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2, min_shared=16)
+    assert b.shape == (2, 32)  # group: 20 shared + (1 + 2) + (2 + 1) = 26 -> bucket 32; the third example alone
+    row = [1, 0] if b.segment_ids[0, 0] == 0 else [0, 1]
+    g, s = row[0], row[1]  # the group's row, the single example's row
+    np.testing.assert_array_equal(b.input_ids[g, :26], P20 + [30, 40, 41, 31, 32, 42])
+    np.testing.assert_array_equal(b.segment_ids[g, :27], [1] * 26 + [0])
+    np.testing.assert_array_equal(b.branch_ids[g, :26], [0] * 20 + [1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(b.positions[g, :26], list(range(20)) + [20, 21, 22, 20, 21, 22])
+    np.testing.assert_array_equal(b.loss_mask[g, :26], [0] * 21 + [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(b.kind[g, 20:26], [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(b.weight[g, 20:26], [1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(b.input_ids[s, :3], [50, 51, 52])
+    np.testing.assert_array_equal(b.branch_ids[s, :4], [1, 1, 1, 0])
+    np.testing.assert_array_equal(b.loss_mask[s, :3], [0, 0, 1])
+    assert b.attention_mask.sum() == 29 and b.num_examples == 3
+    # counts as the loss counts them: critic 2 + 1 target tokens in 2 examples, policy 1 token in 1 example
+    np.testing.assert_array_equal(text.kind_counts(b.loss_mask, b.kind, b.branch_ids), [[3, 2], [1, 1]])
+    st = pp.packing_stats(HAND, b)
+    assert st == {"tokens_presented": 23 + 23 + 3, "tokens_computed": 29, "slots": 64}
+
+
+def test_mask_by_hand():
+    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2, min_shared=16)
+    g = 0 if b.segment_ids[0, 0] == 1 and b.input_ids[0, 0] == 1 else 1
+    bias = np.asarray(decoder.packed_mask_bias(b.segment_ids, b.branch_ids, b.positions))[g, 0, 0]
+    seen = bias == 0
+    # example 2's own first token (slot 23) sees the prefix and itself, not example 1's branch (slots 20-22)
+    np.testing.assert_array_equal(np.nonzero(seen[23])[0], list(range(20)) + [23])
+    np.testing.assert_array_equal(np.nonzero(seen[22])[0], list(range(23)))
+    assert not seen[26:].any() or not seen[26:, :26].any()  # padding sees nothing real
+    # a window of 2 positions: slot 23 (position 20) sees positions 19 (slot 19) and 20 (itself)
+    w = np.asarray(decoder.packed_mask_bias(b.segment_ids, b.branch_ids, b.positions, 2))[g, 0, 0] == 0
+    np.testing.assert_array_equal(np.nonzero(w[23])[0], [19, 23])
+
+
+def test_grouping_keeps_a_prompt_token_per_example_and_respects_min_shared():
+    a = text.Example(P20, [7], kind=0)
+    same = text.Example(P20, [8, 9], kind=1)  # the same prompt: the prefix stops one token short of it
+    other = text.Example([99] * 10 + P20[:5], [3], kind=0)
+    groups = pp.shared_prefix_groups([a, same, other], max_len=64, min_shared=16)
+    assert sorted(map(tuple, (m for _, m in groups))) == [(0, 1), (2,)]
+    assert [p for p, m in groups if len(m) == 2] == [19]
+    assert pp.shared_prefix_groups([a, same], max_len=64, min_shared=20) == [(0, [0]), (0, [1])]
+    with pytest.raises(ValueError, match="example 0 does not fit"):
+        pp.pack_shared_prefix([text.Example(P20, [1] * 50)], max_len=64)
+
+
+def random_examples(vocab, seed, n=14):
+    """Examples in families of shared prefixes (as NLAC's roles and episodes make them), mixed kinds and weights."""
+    r = np.random.RandomState(seed)
+    heads = [list(r.randint(1, vocab, r.randint(18, 30))) for _ in range(3)]
+    out = []
+    for i in range(n):
+        head = heads[i % 3] if i < n - 2 else list(r.randint(1, vocab, 6))  # two loners
+        p = head + list(r.randint(1, vocab, r.randint(1, 6)))
+        out.append(text.Example(p, list(r.randint(1, vocab, r.randint(1, 5))), kind=int(r.randint(0, 2)),
+                                weight=float(r.choice([0.5, 1.0, 2.0]))))
+    return out
+
+
+@functools.cache
+def family_model(tmp, family, scan):
+    make_hf_model(family, f"{tmp}/{family}")
+    m = models.load_pretrained(f"{tmp}/{family}", scan_layers=scan)
+    return m.config, jax.device_get(m.params)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("families"))
+
+
+def _grads(cfg, params, batch, normalisation, mesh_shape=(1, 1, 1)):
+    mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
+    fn = training.make_grad_fn(cfg, mesh, normalisation=normalisation)
+    loss, grads, info = fn(params, batch)
+    return float(loss), jax.tree.map(np.asarray, jax.device_get(grads)), jax.device_get(info)
+
+
+def assert_grads_close(got, want):
+    """Float32 reassociation only: every leaf within 1e-5 of its own largest entry (a wrong mask or a lost example
+    moves gradients by orders of magnitude more)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()) + 1e-7, rtol=2e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
+    cfg, params = family_model(model_dir, family, scan)
+    ex = random_examples(cfg.vocab_size, seed=1)
+    unpacked = text.pack_examples(ex, max_len=64, batch_size=16)
+    packed = pp.pack_shared_prefix(ex, max_len=64, batch_size=8, min_shared=16)
+    assert packed.attention_mask.sum() < 0.6 * unpacked.attention_mask.sum()  # the case shares a lot
+    for norm in ("token", "sequence"):
+        l_u, g_u, i_u = _grads(cfg, params, unpacked, norm)
+        l_p, g_p, i_p = _grads(cfg, params, packed, norm)
+        np.testing.assert_allclose(l_p, l_u, rtol=1e-5)
+        for k in ("l1", "l2", "critic_tokens", "policy_tokens", "critic_examples", "policy_examples"):
+            np.testing.assert_allclose(i_p[k], i_u[k], rtol=1e-5, err_msg=k)
+        assert_grads_close(g_p, g_u)
+
+
+def test_packed_losses_hand_computed(model_dir):
+    """L1, L2 of the packed hand case from each example's own forward pass (token normalisation)."""
+    cfg, params = family_model(model_dir, "qwen2", False)
+    ex = [text.Example(x.prompt_ids, x.target_ids, x.kind, x.weight) for x in HAND]
+    nll = {0: [], 1: []}
+    for x in ex:
+        ids = np.asarray([x.prompt_ids + x.target_ids], np.int32)
+        lp = jax.nn.log_softmax(np.asarray(models.forward(cfg, params, ids, np.ones_like(ids)))[0], -1)
+        for j, tok in enumerate(x.target_ids):
+            nll[x.kind].append(x.weight * -float(lp[len(x.prompt_ids) - 1 + j, tok]))
+    l1, l2 = sum(nll[0]) / len(nll[0]), sum(nll[1]) / len(nll[1])
+    _, _, info = _grads(cfg, params, pp.pack_shared_prefix(ex, 64, batch_size=2), "token")
+    np.testing.assert_allclose([info["l1"], info["l2"]], [l1, l2], rtol=1e-5)
+
+
+def test_packed_on_8_devices_equals_1_device(model_dir):
+    cfg, params = family_model(model_dir, "qwen3", False)
+    packed = pp.pack_shared_prefix(random_examples(cfg.vocab_size, seed=2), max_len=64, batch_size=8)
+    l1, g1, _ = _grads(cfg, params, packed, "token")
+    l8, g8, _ = _grads(cfg, params, packed, "token", (2, 2, 2))
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    assert_grads_close(g8, g1)
+
+
+def test_coefficients_match_unpacked_per_target_token():
+    ex = random_examples(100, seed=3)
+    u = text.pack_examples(ex, max_len=64, batch_size=16)
+    p = pp.pack_shared_prefix(ex, max_len=64, batch_size=8)
+    for norm in ("token", "sequence"):
+        cu, _ = loss_lib.loss_coefficients(u.loss_mask, u.kind, u.weight, norm, u.denom_tokens, u.denom_examples)
+        cp, _ = loss_lib.loss_coefficients(p.loss_mask, p.kind, p.weight, norm, p.denom_tokens, p.denom_examples,
+                                           p.branch_ids)
+        # the multiset of (kind, coefficient) over target tokens is the same
+        for k in (0, 1):
+            np.testing.assert_allclose(np.sort(np.asarray(cp[k])[np.asarray(cp[k]) != 0]),
+                                       np.sort(np.asarray(cu[k])[np.asarray(cu[k]) != 0]), rtol=1e-6)
+
+
+def test_iteration_with_shared_prefixes_trains_like_unpacked():
+    """pack_train_batches with the shared-prefix packer: the same examples per batch and the same iteration
+    denominators, so the train step reaches the same parameters (1 device and dp2 x fsdp2 x tp2) on fewer tokens."""
+    cfg = models.ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    ex = random_examples(100, seed=4, n=30)
+    runs = {}
+    for name, shape in (("1dev", (1, 1, 1)), ("8dev", (2, 2, 2))):
+        mesh = sharding.make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+        opt = training.make_optimizer(training.make_schedule(1e-2), eps=1e-3)
+        step = training.make_train_step(cfg, mesh, opt)
+        for packed in (False, True):
+            packer = (lambda c: pp.pack_shared_prefix(c, 64, row_multiple=step.data_parallel)) if packed else None
+            batches, m = text.pack_train_batches(ex, np.random.default_rng(0), max_len=64, batch_size=8,
+                                                 train_steps=5, packer=packer)
+            state = training.create_train_state(cfg, mesh, opt, params=models.init_params(cfg, seed=0))
+            losses = []
+            for b in batches:
+                state, met = step(state, b)
+                losses.append(float(met["loss"]))
+            runs[name, packed] = (losses, jax.tree.map(np.asarray, jax.device_get(state.params)), m)
+    base_losses, base_params, m_u = runs["1dev", False]
+    _, _, m_p = runs["1dev", True]
+    assert m_p["train/tokens_presented"] == m_u["train/tokens_presented"] == m_u["train/tokens_computed"]
+    assert m_p["train/tokens_computed"] < 0.7 * m_u["train/tokens_computed"]
+    for key, (losses, params, _) in runs.items():
+        np.testing.assert_allclose(losses, base_losses, rtol=1e-4, err_msg=str(key))
+        assert_grads_close(params, base_params)
