@@ -365,8 +365,9 @@ def make_grad_fn(cfg: ModelConfig, mesh, *, critic_weight: float = 1.0, policy_w
                     num_microbatches=num_microbatches, loss_chunk=loss_chunk, loss_positions=loss_positions)
     ps = models.param_shardings(cfg, mesh, rules)
     every = sharding.batch_shardings(mesh, rules)
-    jitted = {keys: jax.jit(lambda p, b: loss_and_grads(p, b, cfg, sc, ps), in_shardings=(ps, {k: every[k] for k in keys}),
-                            out_shardings=(NamedSharding(mesh, P()), ps, NamedSharding(mesh, P())))
+    rep = NamedSharding(mesh, P())
+    fn = lambda p, b: loss_and_grads(p, b, cfg, sc, ps)  # noqa: E731
+    jitted = {keys: jax.jit(fn, in_shardings=(ps, {k: every[k] for k in keys}), out_shardings=(rep, ps, rep))
               for keys in (BATCH_KEYS, BATCH_KEYS + PACKED_KEYS)}
 
     def run(params, batch):
