@@ -149,10 +149,10 @@ BATCH_LOGICAL_AXES = {
     "weight": ("batch",),
     "denom_tokens": ("batch",),
     "denom_examples": ("batch",),
-    # shared-prefix packed batches (training/prefix_packing.py); their kind/weight/denominators are [B, T], rows
+    # prefix-tree packed batches (training/prefix_packing.py); their kind/weight/denominators are [B, T], rows
     # sharded by the same ("batch",) spec
-    "segment_ids": ("batch", "length"),
-    "branch_ids": ("batch", "length"),
+    "node_ids": ("batch", "length"),
+    "node_ends": ("batch", "length"),
 }
 
 

@@ -455,10 +455,10 @@ class PackedBatch:
     denom_examples [B]    float32  and examples with targets, of that kind per batch; this batch's own counts
                                    from `pack_examples`, the mean over the iteration's batches from
                                    `pack_train_batches` (`share_loss_denominators`)
-    segment_ids    [B, T] int32    only in a shared-prefix packed batch (training/prefix_packing.py), where a
-    branch_ids     [B, T] int32    row holds several examples: segment = prompt-sharing group (0 = padding),
-                                   branch = 0 on the group's shared prefix, else the example's own id in the row;
-                                   kind, weight and the denominators are then per token [B, T]
+    node_ids       [B, T] int32    only in a prefix-tree packed batch (training/prefix_packing.py), where a row
+    node_ends      [B, T] int32    holds trees of shared prompt runs, one leaf per example: the pre-order id of the
+                                   token's node (0 = padding) and the last id in its subtree; kind, weight and the
+                                   denominators are then per token [B, T]
     num_examples:   examples in the batch (unpacked: the first num_examples rows; the rest are dummy rows)
     num_truncated:  examples whose prompt was left-truncated to fit max_len (only with truncate=True)
     tokens_dropped: prompt tokens removed by that truncation, in total
@@ -472,19 +472,19 @@ class PackedBatch:
     weight: np.ndarray
     denom_tokens: np.ndarray | None = None  # None: set from the batch itself in __post_init__
     denom_examples: np.ndarray | None = None
-    segment_ids: np.ndarray | None = None
-    branch_ids: np.ndarray | None = None
+    node_ids: np.ndarray | None = None
+    node_ends: np.ndarray | None = None
     num_examples: int = 0
     num_truncated: int = 0
     tokens_dropped: int = 0
 
     ARRAY_FIELDS = ("input_ids", "attention_mask", "positions", "loss_mask", "kind", "weight", "denom_tokens",
                     "denom_examples")
-    PACKED_FIELDS = ("segment_ids", "branch_ids")
+    PACKED_FIELDS = ("node_ids", "node_ends")
 
     def __post_init__(self):
         if self.denom_tokens is None or self.denom_examples is None:  # a batch on its own is its own iteration
-            tok, ex = row_denominators(kind_counts(self.loss_mask, self.kind, self.branch_ids), self.kind)
+            tok, ex = row_denominators(kind_counts(self.loss_mask, self.kind, self.node_ids), self.kind)
             object.__setattr__(self, "denom_tokens", tok)
             object.__setattr__(self, "denom_examples", ex)
 
@@ -500,18 +500,18 @@ class PackedBatch:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         """The arrays as a dict (what the jitted train step takes); a packed batch adds its PACKED_FIELDS."""
-        keys = self.ARRAY_FIELDS + (self.PACKED_FIELDS if self.branch_ids is not None else ())
+        keys = self.ARRAY_FIELDS + (self.PACKED_FIELDS if self.node_ids is not None else ())
         return {k: getattr(self, k) for k in keys}
 
 
-def kind_counts(loss_mask: np.ndarray, kind: np.ndarray, branch_ids: np.ndarray | None = None) -> np.ndarray:
+def kind_counts(loss_mask: np.ndarray, kind: np.ndarray, node_ids: np.ndarray | None = None) -> np.ndarray:
     """[2, 2] float64 counts of a token batch, as the loss counts them (loss_mask[:, 0] predicts nothing):
     [k, 0] = target tokens of kind k, [k, 1] = examples of kind k with at least one target (rows; in a packed
-    batch, with ``branch_ids`` and per-token ``kind`` [B, T], distinct (row, branch) pairs)."""
+    batch, with ``node_ids`` and per-token ``kind`` [B, T], distinct (row, leaf) pairs)."""
     out = np.zeros((2, 2))
-    if branch_ids is not None:
+    if node_ids is not None:
         lm = np.asarray(loss_mask, np.float64)[:, 1:] > 0
-        kt, bt = np.asarray(kind)[:, 1:], np.asarray(branch_ids)[:, 1:]
+        kt, bt = np.asarray(kind)[:, 1:], np.asarray(node_ids)[:, 1:]
         rows = np.broadcast_to(np.arange(lm.shape[0])[:, None], lm.shape)
         for k in (KIND_CRITIC, KIND_POLICY):
             sel = lm & (kt == k)
@@ -537,7 +537,7 @@ def share_loss_denominators(batches: Sequence[PackedBatch]) -> list[PackedBatch]
     average to the per-token (per-example) mean over all of them (training/loss.py)."""
     if not batches:
         return []
-    counts = sum(kind_counts(b.loss_mask, b.kind, b.branch_ids) for b in batches) / len(batches)
+    counts = sum(kind_counts(b.loss_mask, b.kind, b.node_ids) for b in batches) / len(batches)
     return [dataclasses.replace(b, **dict(zip(("denom_tokens", "denom_examples"), row_denominators(counts, b.kind))))
             for b in batches]
 

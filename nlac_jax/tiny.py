@@ -195,8 +195,8 @@ def tiny_corpus() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Train the BPE once per vocab size; cached as the serialized `tokenizers` JSON (immutable)."""
+def _trained_tokenizer_json(vocab_size: int, extra_corpus: tuple[str, ...] = ()) -> str:
+    """Train the BPE once per (vocab size, extra corpus); cached as the serialized `tokenizers` JSON (immutable)."""
     if vocab_size < _MIN_VOCAB:
         raise ValueError(f"vocab_size={vocab_size} is too small: need >= {_MIN_VOCAB} (256 bytes + 3 specials + 1)")
     tok = Tokenizer(models.BPE())
@@ -215,7 +215,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() + list(extra_corpus), trainer=trainer)
     n_bpe = tok.get_vocab_size()
     if n_bpe != vocab_size - len(SPECIAL_TOKENS):
         raise ValueError(
@@ -228,7 +228,8 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
 
 
 def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512,
-                        chat_format: str = "chatml") -> transformers.PreTrainedTokenizerFast:
+                        chat_format: str = "chatml",
+                        extra_corpus: tuple[str, ...] = ()) -> transformers.PreTrainedTokenizerFast:
     """Return a fresh Qwen2-style tokenizer with `len(tokenizer) == vocab_size`, trained in-process (cached).
 
     Special tokens: `<|endoftext|>` is eos and pad (as in a Qwen2 base model); `<|im_start|>` / `<|im_end|>` delimit
@@ -241,11 +242,14 @@ def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512,
 
     chat_format='gemma': the same ids with Gemma's special tokens (`<eos>`, `<start_of_turn>`, `<end_of_turn>`) and
     a Gemma-style template (no system role: folded into the first user turn; alternating roles enforced).
+
+    extra_corpus: more training text (e.g. a τ-bench domain's policy and tool schemas), so that a larger vocabulary
+    spends about as many tokens per character on that text as a real model's tokenizer does (benchmarks).
     """
     if chat_format not in ("chatml", "gemma"):
         raise ValueError(f"chat_format={chat_format!r} is not one of chatml|gemma")
     names = GEMMA_TOKENS if chat_format == "gemma" else {t: t for t in SPECIAL_TOKENS}
-    spec = json.loads(_trained_tokenizer_json(int(vocab_size)))
+    spec = json.loads(_trained_tokenizer_json(int(vocab_size), tuple(extra_corpus)))
     for added in spec["added_tokens"]:
         added["content"] = names.get(added["content"], added["content"])
     # A new wrapper per call: callers may mutate their tokenizer (padding side, added tokens) without affecting others.

@@ -22,49 +22,47 @@ HAND = [text.Example(P20 + [30], [40, 41], kind=0, weight=1.0),
 
 
 def test_layout_by_hand():
-    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2, min_shared=16)
-    assert b.shape == (2, 32)  # group: 20 shared + (1 + 2) + (2 + 1) = 26 -> bucket 32; the third example alone
-    row = [1, 0] if b.segment_ids[0, 0] == 0 else [0, 1]
-    g, s = row[0], row[1]  # the group's row, the single example's row
-    np.testing.assert_array_equal(b.input_ids[g, :26], P20 + [30, 40, 41, 31, 32, 42])
-    np.testing.assert_array_equal(b.segment_ids[g, :27], [1] * 26 + [0])
-    np.testing.assert_array_equal(b.branch_ids[g, :26], [0] * 20 + [1, 1, 1, 2, 2, 2])
-    np.testing.assert_array_equal(b.positions[g, :26], list(range(20)) + [20, 21, 22, 20, 21, 22])
-    np.testing.assert_array_equal(b.loss_mask[g, :26], [0] * 21 + [1, 1, 0, 0, 1])
-    np.testing.assert_array_equal(b.kind[g, 20:26], [0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(b.weight[g, 20:26], [1, 1, 1, 2, 2, 2])
-    np.testing.assert_array_equal(b.input_ids[s, :3], [50, 51, 52])
-    np.testing.assert_array_equal(b.branch_ids[s, :4], [1, 1, 1, 0])
-    np.testing.assert_array_equal(b.loss_mask[s, :3], [0, 0, 1])
-    assert b.attention_mask.sum() == 29 and b.num_examples == 3
+    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2)
+    assert b.shape == (2, 32)  # one tree: 20 shared + (1 + 2) + (2 + 1), and the third example: 29 -> bucket 32
+    np.testing.assert_array_equal(b.input_ids[0, :29], P20 + [30, 40, 41, 31, 32, 42, 50, 51, 52])
+    np.testing.assert_array_equal(b.node_ids[0, :30], [1] * 20 + [2] * 3 + [3] * 3 + [4] * 3 + [0])
+    np.testing.assert_array_equal(b.node_ends[0, :29], [3] * 20 + [2] * 3 + [3] * 3 + [4] * 3)
+    np.testing.assert_array_equal(b.positions[0, :29], list(range(23)) + [20, 21, 22, 0, 1, 2])
+    np.testing.assert_array_equal(b.loss_mask[0, :29], [0] * 21 + [1, 1, 0, 0, 1, 0, 0, 1])
+    np.testing.assert_array_equal(b.kind[0, 20:29], [0, 0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b.weight[0, 20:29], [1, 1, 1, 2, 2, 2, 0.5, 0.5, 0.5])
+    assert b.attention_mask.sum() == 29 and not b.attention_mask[1].any() and b.num_examples == 3
     # counts as the loss counts them: critic 2 + 1 target tokens in 2 examples, policy 1 token in 1 example
-    np.testing.assert_array_equal(text.kind_counts(b.loss_mask, b.kind, b.branch_ids), [[3, 2], [1, 1]])
-    st = pp.packing_stats(HAND, b)
-    assert st == {"tokens_presented": 23 + 23 + 3, "tokens_computed": 29, "slots": 64}
+    np.testing.assert_array_equal(text.kind_counts(b.loss_mask, b.kind, b.node_ids), [[3, 2], [1, 1]])
+    assert pp.packing_stats(HAND, b) == {"tokens_presented": 23 + 23 + 3, "tokens_computed": 29, "slots": 64}
 
 
 def test_mask_by_hand():
-    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2, min_shared=16)
-    g = 0 if b.segment_ids[0, 0] == 1 and b.input_ids[0, 0] == 1 else 1
-    bias = np.asarray(decoder.packed_mask_bias(b.segment_ids, b.branch_ids, b.positions))[g, 0, 0]
-    seen = bias == 0
-    # example 2's own first token (slot 23) sees the prefix and itself, not example 1's branch (slots 20-22)
+    b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2)
+    seen = np.asarray(decoder.packed_mask_bias(b.node_ids, b.node_ends, b.positions))[0, 0, 0] == 0
+    # example 2's own first token (slot 23) sees the shared run and itself, not example 1's leaf (slots 20-22)
     np.testing.assert_array_equal(np.nonzero(seen[23])[0], list(range(20)) + [23])
     np.testing.assert_array_equal(np.nonzero(seen[22])[0], list(range(23)))
-    assert not seen[26:].any() or not seen[26:, :26].any()  # padding sees nothing real
-    # a window of 2 positions: slot 23 (position 20) sees positions 19 (slot 19) and 20 (itself)
-    w = np.asarray(decoder.packed_mask_bias(b.segment_ids, b.branch_ids, b.positions, 2))[g, 0, 0] == 0
+    np.testing.assert_array_equal(np.nonzero(seen[28])[0], [26, 27, 28])  # the other tree sees only itself
+    assert not seen[29:].any()  # padding sees nothing
+    # a window of 2 positions: slot 23 (position 20) sees position 19 (slot 19) and itself
+    w = np.asarray(decoder.packed_mask_bias(b.node_ids, b.node_ends, b.positions, 2))[0, 0, 0] == 0
     np.testing.assert_array_equal(np.nonzero(w[23])[0], [19, 23])
 
 
-def test_grouping_keeps_a_prompt_token_per_example_and_respects_min_shared():
-    a = text.Example(P20, [7], kind=0)
-    same = text.Example(P20, [8, 9], kind=1)  # the same prompt: the prefix stops one token short of it
-    other = text.Example([99] * 10 + P20[:5], [3], kind=0)
-    groups = pp.shared_prefix_groups([a, same, other], max_len=64, min_shared=16)
-    assert sorted(map(tuple, (m for _, m in groups))) == [(0, 1), (2,)]
-    assert [p for p, m in groups if len(m) == 2] == [19]
-    assert pp.shared_prefix_groups([a, same], max_len=64, min_shared=20) == [(0, [0]), (0, [1])]
+def test_tree_shares_every_depth_and_keeps_a_prompt_token_per_leaf():
+    a, b_, c = list(range(1, 31)), list(range(31, 41)), list(range(41, 46))
+    # an episode's states are prefixes of each other; two examples with the same prompt; an unrelated one
+    ex = [text.Example(a, [7]), text.Example(a + b_, [8]), text.Example(a + b_ + c, [9, 9]),
+          text.Example(a + b_, [5, 5], kind=1), text.Example([99, 98], [1])]
+    forest = pp.prefix_forest(ex)
+    # a[:29] -> {leaf [30, 7]; a[29] + b[:9] -> {leaf [40, 8]; leaf [40, 5, 5]; leaf [40] + c + [9, 9]}}; [99, 98, 1]
+    assert sorted(n.size for n in forest) == [3, 29 + 2 + 10 + 2 + 3 + 8]
+    b = pp.pack_shared_prefix(ex, max_len=64)
+    # tokens computed = the prompts' trie (45 + 2 distinct prefixes), the last prompt token repeated in each leaf
+    # whose prompt is a prefix of another's (30 once, 40 twice), and the 7 target tokens
+    assert int(b.attention_mask.sum()) == 47 + 3 + 7
+    assert pp.prefix_forest([text.Example(a, [1]), text.Example(a, [2])])[0].tokens == a[:-1]
     with pytest.raises(ValueError, match="example 0 does not fit"):
         pp.pack_shared_prefix([text.Example(P20, [1] * 50)], max_len=64)
 
@@ -114,7 +112,7 @@ def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
     cfg, params = family_model(model_dir, family, scan)
     ex = random_examples(cfg.vocab_size, seed=1)
     unpacked = text.pack_examples(ex, max_len=64, batch_size=16)
-    packed = pp.pack_shared_prefix(ex, max_len=64, batch_size=8, min_shared=16)
+    packed = pp.pack_shared_prefix(ex, max_len=64, batch_size=8)
     assert packed.attention_mask.sum() < 0.6 * unpacked.attention_mask.sum()  # the case shares a lot
     for norm in ("token", "sequence"):
         l_u, g_u, i_u = _grads(cfg, params, unpacked, norm)
@@ -156,7 +154,7 @@ def test_coefficients_match_unpacked_per_target_token():
     for norm in ("token", "sequence"):
         cu, _ = loss_lib.loss_coefficients(u.loss_mask, u.kind, u.weight, norm, u.denom_tokens, u.denom_examples)
         cp, _ = loss_lib.loss_coefficients(p.loss_mask, p.kind, p.weight, norm, p.denom_tokens, p.denom_examples,
-                                           p.branch_ids)
+                                           p.node_ids)
         # the multiset of (kind, coefficient) over target tokens is the same
         for k in (0, 1):
             np.testing.assert_allclose(np.sort(np.asarray(cp[k])[np.asarray(cp[k]) != 0]),

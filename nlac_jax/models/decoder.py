@@ -145,17 +145,17 @@ def attention_mask_bias(q_slot: Array, kv_mask: Array, window: int | None = None
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
 
 
-def packed_mask_bias(segment_ids: Array, branch_ids: Array, positions: Array, window: int | None = None) -> Array:
-    """Additive bias [B, 1, 1, T, T] for shared-prefix packed rows (training/prefix_packing.py). A row holds
-    groups (segment_ids 1, 2, ..; 0 = padding); a group is a shared prompt prefix (branch_ids 0) followed by its
-    examples' own tokens (branch_ids 1, 2, .., unique in the row). Key s is visible to query t iff s <= t, both are
-    in the same group, and s is in the prefix or in t's own branch: each example sees exactly its unpacked row.
-    The sliding window is measured in POSITIONS (a branch's positions continue from its prefix's, not its slots)."""
-    seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]
-    br_q, br_k = branch_ids[:, :, None], branch_ids[:, None, :]
-    T = segment_ids.shape[1]
+def packed_mask_bias(node_ids: Array, node_ends: Array, positions: Array, window: int | None = None) -> Array:
+    """Additive bias [B, 1, 1, T, T] for prefix-tree packed rows (training/prefix_packing.py). A row holds trees of
+    token runs laid out in depth-first pre-order: node_ids [B, T] is the pre-order id of each token's node (unique in
+    the row, 1..; 0 = padding) and node_ends [B, T] the last id in that node's subtree. Key s is visible to query t
+    iff s <= t and s's node is an ancestor of (or is) t's node: node_ids[s] <= node_ids[t] <= node_ends[s]. Each
+    leaf is one example, so every example sees exactly its own unpacked sequence. The sliding window is measured in
+    POSITIONS (a node's positions continue from its parent's, not its slots)."""
+    T = node_ids.shape[1]
+    q_id = node_ids[:, :, None]
     causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    ok = causal[None] & (seg_k > 0) & (seg_k == seg_q) & ((br_k == 0) | (br_k == br_q))
+    ok = causal[None] & (node_ids[:, None, :] > 0) & (node_ids[:, None, :] <= q_id) & (q_id <= node_ends[:, None, :])
     if window is not None:
         ok = ok & (positions[:, None, :] > positions[:, :, None] - window)
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
@@ -409,7 +409,7 @@ class CausalLM(nn.Module):
         fresh_cache: the cache is empty with index 0 (a prefill): the tokens attend among themselves only, as without
           a cache, instead of over all S slots (S - T of them masked); the result is the same, at T/S of the score
           work and with the causal query blocks (cfg.attn_query_block).
-        segments: None, or (segment_ids, branch_ids) int32 [B, T] of a shared-prefix packed batch (no cache): the
+        segments: None, or (node_ids, node_ends) int32 [B, T] of a prefix-tree packed batch (no cache): the
           attention follows `packed_mask_bias` instead of one causal sequence per row.
         Returns (logits [B, T, V] float32 — or final normed hidden [B, T, E] if return_hidden — , new cache or None).
         """

@@ -46,13 +46,13 @@ def _shift(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
-def _packed_coefficients(tmask, kind, weight, branch_ids, normalisation, denom_tokens, denom_examples):
-    """loss_coefficients for a shared-prefix packed batch: kind, weight, denominators and branch ids per token
-    [B, T] (the example each token belongs to; training/prefix_packing.py), so an example's n_b is its own
-    branch's target count. Same formulas, example by example."""
+def _packed_coefficients(tmask, kind, weight, node_ids, normalisation, denom_tokens, denom_examples):
+    """loss_coefficients for a prefix-tree packed batch: kind, weight, denominators and node ids per token [B, T]
+    (training/prefix_packing.py: a target token's node is its example's leaf, unique in the row), so an example's
+    n_b is its own leaf's target count. Same formulas, example by example."""
     B, T = tmask.shape
     kind_t, w_t = _shift(kind), _shift(weight.astype(jnp.float32))
-    ex = (jnp.arange(B)[:, None] * T + _shift(branch_ids)).reshape(-1)  # a unique id per (row, branch)
+    ex = (jnp.arange(B)[:, None] * T + _shift(node_ids)).reshape(-1)  # a unique id per (row, leaf)
     n_e = jax.ops.segment_sum(tmask.reshape(-1), ex, num_segments=B * T)[ex].reshape(B, T)
     coefs, stats = [], {}
     for k, name in ((KIND_CRITIC, "critic"), (KIND_POLICY, "policy")):
@@ -73,17 +73,17 @@ def _packed_coefficients(tmask, kind, weight, branch_ids, normalisation, denom_t
 
 
 def loss_coefficients(loss_mask, kind, weight, normalisation: str = "token", denom_tokens=None,
-                      denom_examples=None, branch_ids=None) -> tuple[jax.Array, dict]:
+                      denom_examples=None, node_ids=None) -> tuple[jax.Array, dict]:
     """Per-token coefficients coef [2, B, T] (coef[k] turns token NLLs into L_k, see the module docstring; indexed
     like the SHIFTED targets) and this batch's counts {critic_tokens, policy_tokens, critic_examples,
     policy_examples}. denom_tokens / denom_examples [B]: N_k / S_k of each row's kind (None: this batch's counts).
-    A shared-prefix packed batch (several examples per row) passes branch_ids [B, T], and kind, weight and the
+    A prefix-tree packed batch (several examples per row) passes node_ids [B, T], and kind, weight and the
     denominators per token [B, T]."""
     if normalisation not in NORMALISATIONS:
         raise ValueError(f"normalisation={normalisation!r}: expected one of {NORMALISATIONS}")
     _, tmask = shift_targets(jnp.zeros(loss_mask.shape, jnp.int32), loss_mask)
-    if branch_ids is not None:
-        return _packed_coefficients(tmask, kind, weight, branch_ids, normalisation, denom_tokens, denom_examples)
+    if node_ids is not None:
+        return _packed_coefficients(tmask, kind, weight, node_ids, normalisation, denom_tokens, denom_examples)
     n_b = tmask.sum(axis=1)  # [B]
     w = weight.astype(jnp.float32)
     coefs, stats = [], {}

@@ -37,7 +37,7 @@ _BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions":
                  "denom_examples": np.float32}
 _DENOM_KEYS = ("denom_tokens", "denom_examples")
 # a shared-prefix packed batch (training/prefix_packing.py) adds these; its kind, weight, denominators are [B, T]
-PACKED_KEYS = ("segment_ids", "branch_ids")
+PACKED_KEYS = ("node_ids", "node_ends")
 _BATCH_DTYPES.update({k: np.int32 for k in PACKED_KEYS})
 
 
@@ -63,7 +63,7 @@ def _with_denominators(batch: Mapping) -> dict:
         if any(isinstance(batch[k], jax.Array) for k in ("loss_mask", "kind")):
             raise KeyError(f"train batch of jax.Arrays is missing {list(_DENOM_KEYS)} (text.share_loss_denominators)")
         lm, kind = np.asarray(batch["loss_mask"]), np.asarray(batch["kind"])
-        br = np.asarray(batch["branch_ids"]) if "branch_ids" in batch else None
+        br = np.asarray(batch["node_ids"]) if "node_ids" in batch else None
         batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind, br), kind)
     return batch
 
@@ -89,7 +89,7 @@ class StepConfig:
 # ----------------------------------------------------------------------------- pure functions (traced)
 def _microbatch_loss(params, mb, cfg: ModelConfig, sc: StepConfig):
     """Σ coef·nll over one micro-batch: (total, [L1 part, L2 part])."""
-    segments = (mb["segment_ids"], mb["branch_ids"]) if "segment_ids" in mb else None
+    segments = (mb["node_ids"], mb["node_ends"]) if "node_ids" in mb else None
     hidden, _ = CausalLM(cfg).apply({"params": params}, mb["input_ids"], mb["positions"], mb["attention_mask"],
                                     return_hidden=True, segments=segments)
     if sc.loss_positions:
@@ -113,7 +113,7 @@ def loss_and_grads(params, batch: Mapping[str, jax.Array], cfg: ModelConfig, sc:
     info: l1, l2 and the per-kind counts of loss_lib.loss_coefficients, plus num_tokens (real tokens in the batch).
     """
     coef, counts = loss_lib.loss_coefficients(batch["loss_mask"], batch["kind"], batch["weight"], sc.normalisation,
-                                              batch["denom_tokens"], batch["denom_examples"], batch.get("branch_ids"))
+                                              batch["denom_tokens"], batch["denom_examples"], batch.get("node_ids"))
     labels, _ = loss_lib.shift_targets(batch["input_ids"], batch["loss_mask"])
     data = {"input_ids": batch["input_ids"], "positions": batch["positions"],
             "attention_mask": batch["attention_mask"], "labels": labels, "coef": coef.swapaxes(0, 1)}  # coef [B,2,T]
@@ -256,7 +256,7 @@ class TrainStep:
         self._pending = None
 
     def _jit_for(self, batch: Mapping):
-        return self.packed_jitted if "segment_ids" in batch else self.jitted
+        return self.packed_jitted if "node_ids" in batch else self.jitted
 
     def prepare_batch(self, batch) -> dict:
         """Validate and convert a host batch (dict or PackedBatch) to the contract dtypes."""

@@ -1,0 +1,249 @@
+"""One NLAC targets phase and one iteration's train steps on τ-bench-shaped data: the prompt tokens presented,
+those a shared prefix lets us skip, and the train step with and without shared-prefix packing.
+
+    .venv/bin/python benchmarks/bench_targets.py                      # counts + train-step timing (minutes)
+    .venv/bin/python benchmarks/bench_targets.py --no-timing          # token counts only (seconds)
+
+Data: the first --tasks τ2 retail train tasks (the real domain policy and tool schemas, from the installed tau2
+package), each played to the end by its gold tool-call script against the real τ2 environment and the scripted
+user: real multi-turn episodes with real tool outputs. The targets phase is NLAC's own code
+(`build_critic_examples`, `build_policy_examples`, k = --k futures) over every transition, with a scripted role
+sampler that returns fixed, well-formed texts of realistic length; every prompt it is asked to complete is recorded.
+
+Tokenizer: the in-process BPE (nlac_jax.tiny) trained with --vocab entries on its built-in corpus PLUS the
+domain's policy and tool schemas, so a token covers about as many characters of that text as a real model's
+tokenizer (printed). Counts are exact for that tokenizer.
+
+Reported:
+* targets phase: prompt tokens presented to the sampler (one prefill per sampled row, as today's sampler does),
+  and the tokens a perfect prefix cache over the phase would compute (the size of the token trie of all its
+  prompts): the ceiling of a shared-prefix KV cache (issue 24, item 2; not built yet, so today computes 100%);
+* train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
+  `text.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
+  --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
+  same losses (printed side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def trie_tokens(seqs) -> int:
+    """Tokens a perfect prefix cache computes for these sequences: the number of distinct prefixes (trie nodes)."""
+    from nlac_jax.training.prefix_packing import common_prefix_length
+    out, prev = 0, []
+    for s in sorted(map(list, seqs)):
+        out += len(s) - common_prefix_length(prev, s)
+        prev = s
+    return out
+
+
+def domain_text(task_source, env) -> list[str]:
+    """The retail domain's policy and tool schemas as the agent sees them (its system message)."""
+    task = task_source.tasks(task_source.train_split)[0]
+    return [m["content"] for m in env.reset(task) if m["role"] == "system"]
+
+
+def play(n_tasks: int):
+    """Gold-script episodes of the first n_tasks retail train tasks -> (transitions, domain texts)."""
+    from nlac_jax import envs
+    from nlac_jax.envs.tau_bench import gold_actions_script
+    from nlac_jax.rl import rollout
+    source = envs.make_task_source(env_name="tau_retail")
+    tasks = source.tasks(source.train_split)[:n_tasks]
+    env = envs.EnvFactory("tau_retail")()
+    scripts = {env.reset(t)[1]["content"]: gold_actions_script(t) for t in tasks}
+
+    def policy(h):
+        script = scripts[h[1]["content"]]
+        return script[min(sum(m["role"] == "assistant" for m in h), len(script) - 1)]
+    _, transitions = rollout.collect(envs.EnvFactory("tau_retail").make(len(tasks)), tasks,
+                                     lambda hs: [policy(h) for h in hs], task_name="tau_retail")
+    return transitions, domain_text(source, env)
+
+
+def scripted_sampler():
+    """Fixed, well-formed role outputs of realistic length (a forecast ~400 characters, a critique ~300)."""
+    from nlac_jax.envs.tau_bench import format_tool_call
+    from nlac_jax.nlac.verdict import outcome_line
+    from nlac_jax.roles import ScriptedRoleSampler
+    future = ("The agent looks up the order, confirms the items and the payment method with the user, and makes the "
+              "exchange the user asked for. The user confirms and the conversation ends. "
+              "The database matches the expected state.\n" + outcome_line(True, 1.0))
+    action = format_tool_call("get_order_details", {"order_id": "#W2378156"})
+    critique = ("The action is reasonable: the order must be read before any change. Checking the user's identity "
+                "first would be safer, but the forecast shows the task succeeds either way.\nVerdict: optimal")
+    return ScriptedRoleSampler({"policy": action, "successor": future, "backup": future, "evaluator": critique,
+                                "refiner": action})
+
+
+def targets_phase(transitions, tokenizer, k: int):
+    from nlac_jax import text
+    from nlac_jax.nlac import targets
+    from nlac_jax.nlac.prompts import PromptSet
+    ps = PromptSet(task="tau_retail")
+    sampler = scripted_sampler()
+    cfg = targets.TargetConfig(k_futures=k)
+    t0 = time.perf_counter()
+    critic = targets.build_critic_examples(transitions, sampler, cfg, ps)
+    policy = targets.build_policy_examples(transitions, sampler, cfg, ps)
+    seconds = time.perf_counter() - t0
+    rows, per_role = [], {}
+    for call in sampler.calls:
+        for msgs in call.messages_batch:
+            ids = text.encode_chat(tokenizer, msgs, add_generation_prompt=True)
+            rows += [ids] * call.n
+            r = per_role.setdefault(call.role, [0, 0])
+            r[0] += call.n
+            r[1] += call.n * len(ids)
+    examples = [x for x in critic + policy if x.dropped is None]
+    return dict(rows=len(rows), presented=sum(map(len, rows)), trie=trie_tokens(rows), per_role=per_role,
+                seconds=seconds), examples
+
+
+def layouts(examples, tokenizer, max_len: int, batch_size: int, row_multiple: int, row_len: int):
+    import numpy as np
+
+    from nlac_jax import text
+    from nlac_jax.training.prefix_packing import pack_shared_prefix
+    items = [text.chat_example(tokenizer, **x.to_training_dict()) for x in examples]
+    pad = tokenizer.pad_token_id or 0
+    out = {}
+    for name, packer in (("unpacked", None),
+                         ("prefix_tree", lambda c: pack_shared_prefix(c, max_len, pad_id=pad, row_len=row_len,
+                                                                      row_multiple=row_multiple))):
+        batches, m = text.pack_train_batches(items, np.random.default_rng(0), max_len=max_len,
+                                             batch_size=batch_size, train_steps=None, pad_id=pad, packer=packer)
+        out[name] = (batches, m)
+    return out
+
+
+QWEN7B = dict(params=7.6e9, layers=28, hidden=3584)
+
+
+def report_layouts(lay, res: dict) -> None:
+    """Prints the token accounting of each layout; fills res[name]."""
+    print(f"  {'layout':12s} {'batches':>7s} {'presented':>10s} {'computed':>10s} {'slots':>10s} {'computed %':>10s}"
+          f" {'7B est.':>8s} shapes")
+    flops = {}
+    for name, (batches, m) in lay.items():
+        slots = sum(b.input_ids.size for b in batches)
+        pairs = sum(b.input_ids.shape[0] * b.input_ids.shape[1] ** 2 / 2 for b in batches)
+        flops[name] = 6 * QWEN7B["params"] * slots + 6 * QWEN7B["layers"] * QWEN7B["hidden"] * pairs
+        res[name] = dict(m, slots=slots, batches=len(batches), flops_7b=flops[name],
+                         shapes=sorted({b.shape for b in batches}))
+        print(f"  {name:12s} {len(batches):7d} {m['train/tokens_presented']:10,d} {m['train/tokens_computed']:10,d} "
+              f"{slots:10,d} {m['train/tokens_computed'] / max(1, m['train/tokens_presented']):10.1%} "
+              f"{flops[name] / flops['unpacked']:8.1%} {sorted({b.shape for b in batches})}")
+
+
+def time_steps(batches_by_layout, vocab: int, a) -> dict:
+    import jax
+    import numpy as np
+
+    from nlac_jax import models, sharding, training
+    cfg = models.ModelConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                             num_layers=a.layers, num_heads=a.heads, num_kv_heads=max(1, a.heads // 2),
+                             head_dim=a.hidden // a.heads, dtype="bfloat16", param_dtype="float32", remat="full",
+                             max_position_embeddings=max(a.max_len, 2048))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    opt = training.make_optimizer(training.make_schedule(1e-4))
+    step = training.make_train_step(cfg, mesh, opt)
+    params = jax.device_get(models.init_params(cfg, seed=0))
+    out = {}
+    for name, (batches, _) in batches_by_layout.items():
+        state = training.create_train_state(cfg, mesh, opt, params=params)
+        t0 = time.perf_counter()
+        for shape in sorted({b.shape for b in batches}):
+            step.lower(state, next(b for b in batches if b.shape == shape)).compile()
+        compile_s = time.perf_counter() - t0
+        times, losses = [], []
+        for b in batches:
+            t0 = time.perf_counter()
+            state, met = step(state, b)
+            losses.append(float(met["loss"]))  # blocks: the step's time includes its compute
+            times.append(time.perf_counter() - t0)
+        out[name] = dict(step_s=times, total_s=sum(times), compile_s=compile_s, losses=losses,
+                         shapes=sorted({b.shape for b in batches}))
+    out["params"] = models.num_params(cfg) if hasattr(models, "num_params") else None
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", type=int, default=4)
+    p.add_argument("--k", type=int, default=1, help="futures per evaluator call (TargetConfig.k_futures)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--max_len", type=int, default=16384,
+                   help="LoopConfig.max_len: longer examples are dropped (counted), as the loop drops them")
+    p.add_argument("--row_len", type=int, default=None, help="packed row length (default 2 x max_len)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timing_max_len", type=int, default=8192,
+                   help="the timed steps use this max_len (dense attention at 16k+ tokens does not fit this CPU)")
+    p.add_argument("--timing_batch_size", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+
+    from nlac_jax import tiny
+    transitions, domain = play(a.tasks)
+    tok = tiny.make_tiny_tokenizer(vocab_size=a.vocab, extra_corpus=tuple(domain))
+    chars = sum(map(len, domain))
+    toks = sum(len(tok.encode(d)) for d in domain)
+    print(f"data: {a.tasks} retail tasks, {len(transitions)} transitions (gold scripts, real tool outputs); "
+          f"tokenizer: {a.vocab} entries, the domain's system prompt = {chars} chars = {toks} tokens "
+          f"({chars / max(toks, 1):.1f} chars/token)")
+    phase, examples = targets_phase(transitions, tok, a.k)
+    print(f"\ntargets phase (k={a.k}): {phase['rows']} sampled rows, {phase['presented']:,} prompt tokens presented")
+    for role, (n, t) in sorted(phase["per_role"].items()):
+        print(f"  {role:10s} {n:4d} rows {t:10,d} tokens")
+    print(f"  a perfect prefix cache over the phase computes {phase['trie']:,} "
+          f"({phase['trie'] / phase['presented']:.1%} of presented); today's sampler computes 100%")
+
+    row_len = a.row_len or 2 * a.max_len
+    lay = layouts(examples, tok, a.max_len, a.batch_size, 1, row_len)
+    res = {"args": vars(a), "targets_phase": phase, "train": {}}
+    print(f"\ntrain step: {len(examples)} examples, batch_size {a.batch_size}, max_len {a.max_len}, packed rows "
+          f"<= {row_len} tokens")
+    report_layouts(lay, res)
+    print("  7B est.: the step's FLOPs for Qwen2.5-7B's shape (6 N per slot + 6 L d per dense attention score, "
+          "causal half), relative to unpacked")
+    if a.timing:
+        import jax
+        flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
+        keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+        a.max_len = a.timing_max_len
+        lay = layouts(examples, tok, a.timing_max_len, a.timing_batch_size, 1, 2 * a.timing_max_len)
+        print(f"\ntimed layouts (max_len {a.timing_max_len}, batch_size {a.timing_batch_size}; longer examples "
+              f"dropped):")
+        res["timed_layouts"] = {}
+        report_layouts(lay, res["timed_layouts"])
+        t = time_steps(lay, len(tok), a)
+        print(f"\ntrain-step wall time ({jax.devices()[0].platform}, {os.cpu_count()} cores, flags {' '.join(keep)}; "
+              f"model hidden {a.hidden} x {a.layers} layers, bf16 compute / f32 master, remat full)")
+        for name in lay:
+            r = t[name]
+            print(f"  {name:14s} steps {r['total_s']:8.1f} s  ({', '.join(f'{s:.1f}' for s in r['step_s'])})  "
+                  f"compile {r['compile_s']:.0f} s  losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
+        u, s = t["unpacked"]["total_s"], t["prefix_tree"]["total_s"]
+        print(f"  speed-up of the train steps: {u / s:.2f}x")
+        res["timing"] = t
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
