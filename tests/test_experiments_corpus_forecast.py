@@ -136,8 +136,7 @@ def test_waste_probe_by_hand():
         assert served == "policy" and continuation.split("\n")[0] in ("Outcome: success; Return: 1",
                                                                       "Outcome: failure; Return: 0")
         a, b = (0.4, 0.025) if g % 2 == 0 else (0.05, 0.1125)
-        assert continuation.split("\n")[1].startswith(f"Reply to {g}: ")
-        return math.log(a if continuation.endswith(": no answer.") else b)
+        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
     sampler = ScriptedRoleSampler({"successor": successor}, scores=scores)
     got = F.waste_probe(sampler, ps, 12, waste_every=3, samples=2)
     p = {k: got.pop(k) for k in ("probe/p_wasted_rl", "probe/p_wasted_corpus", "probe/p_wasted_other")}

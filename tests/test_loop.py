@@ -279,7 +279,9 @@ def test_pack_one_pass_and_updates_per_target():
     batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
                                          train_steps=None, pad_id=tok.pad_token_id or 0)
     assert [b.num_examples for b in batches] == [4, 4, 2] and all(b.shape[0] == 4 for b in batches)
-    assert m == {"train/examples": 10, "train/updates_per_target": 1.0, "train/dropped_examples": 1}
+    n_tok = sum(len(x.prompt_ids) + len(x.target_ids) for x in examples[:10])
+    assert m == {"train/examples": 10, "train/updates_per_target": 1.0, "train/dropped_examples": 1,
+                 "train/tokens_presented": n_tok, "train/tokens_computed": n_tok}  # no packer: every token computed
     # explicit train_steps: cycles, reuses
     batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
                                          train_steps=5, pad_id=tok.pad_token_id or 0)

@@ -24,12 +24,7 @@ Summary format (outcome FIRST: the critic metrics score P(success | s, a) as the
 against "Outcome: failure" right after the successor prompt)::
 
     Outcome: failure; Return: 0
-    Reply to 16: no answer. Next 17: higher. Then 3 more.
-
-The first reply names its guess ("Reply to 16:", as the "Next 17:" items do): the reply token then sits right after
-the digits it depends on. With "Reply: no answer." the unit model learned only the corpus's RATE of wasted guesses
-from the successor examples (200 steps: "no answer" for 100% of even and odd guesses), not the rule; with the guess
-named, the same pilot learned the rule (README, "Does NLAC learn?").
+    Reply: no answer. Next 17: higher. Then 3 more.
 
 Nothing is invented: every future is played by the real ``GuessNumberEnv``; examples come from TRAIN tasks only.
 """
@@ -57,7 +52,6 @@ __all__ = [
     "DETAIL_GUESSES",
     "jitter_action",
     "reply_word",
-    "reply_label",
     "forecast",
     "forecast_reply",
     "critique",
@@ -125,7 +119,7 @@ def _observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[st
 def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target for (s_t, a_t) from the real transitions a_t .. the end of the episode: the prompt set's
     terminal summary for a terminal step (exactly as ``targets.build_critic_examples`` builds it), else
-    ``Outcome: ...; Return: ...`` then ``Reply to <a>: <r>. Next <g>: <r>. Then k more.``"""
+    ``Outcome: ...; Return: ...`` then ``Reply: <r>. Next <g>: <r>. Then k more.``"""
     cfg = cfg or TargetConfig()
     if not future or not future[-1].done:
         raise ValueError("forecast needs a finished episode (its last transition terminal)")
@@ -136,7 +130,7 @@ def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetCo
         text = ps.terminal_summary(first.reward, first.episode_return, success,
                                    obs if cfg.terminal_include_observation else None)
         return truncate_summary(text, cfg.max_summary_chars)
-    parts = [f"{reply_label(first.action)}: {reply_word(first)}."]
+    parts = [f"Reply: {reply_word(first)}."]
     rest = list(future[1:])
     for t in rest[:DETAIL_GUESSES]:
         parts.append(f"Next {_short(t.action)}: {reply_word(t)}.")
@@ -147,20 +141,12 @@ def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetCo
                             cfg.max_summary_chars)
 
 
-def reply_label(action: str) -> str:
-    """The label of a forecast's first reply: ``Reply to <g>`` for a bare-number guess, else ``Reply``."""
-    g = parse_guess(action)
-    return f"Reply to {g}" if g is not None and str(action).strip() == str(g) else "Reply"
-
-
 def forecast_reply(text: str) -> Optional[str]:
-    """The reply a forecast predicts for the guess itself (its first ``Reply: <word>`` or ``Reply to <g>: <word>``),
-    lower-case; None if none."""
+    """The reply a forecast predicts for the guess itself (its first ``Reply: <word>``), lower-case; None if none."""
     for line in (text or "").split("\n"):
-        head, colon, rest = line.strip().partition(":")
-        h = head.strip().lower()
-        if colon and (h == "reply" or (h.startswith("reply to ") and h[9:].strip().lstrip("-").isdigit())):
-            word = rest.strip().split(".")[0].strip().lower()
+        s = line.strip()
+        if s.lower().startswith("reply:"):
+            word = s[len("reply:"):].strip().split(".")[0].strip().lower()
             return word or None
     return None
 
@@ -385,19 +371,17 @@ PROBE_OUTCOMES = ((True, 1.0), (False, 0.0))  # the toy game's returns: 1 for a 
 def waste_probabilities(sampler, prompts: PromptSet, state: list, guesses: Sequence[int],
                         params: str = "policy") -> dict:
     """P(the successor's forecast for guess g at ``state`` replies "no answer") per g, read from the model's
-    distribution instead of samples: the forecast's first two lines "Outcome: <o>; Return: <r>" / "Reply to g: <w>."
-    are scored for both outcomes and every reply word (one ``sampler.score`` call), and
+    distribution instead of samples: the forecast's first two lines "Outcome: <o>; Return: <r>" / "Reply: <w>." are
+    scored for both outcomes and every reply word (one ``sampler.score`` call), and
 
         P(wasted | g) = sum_o pi(o, "no answer") / sum_(o, w) pi(o, w)
 
     (normalised over those continuations; they tokenize as prefixes of the trained targets). NaN where a score is
     not finite (e.g. a scripted sampler without scores)."""
-    per = len(PROBE_OUTCOMES) * len(PROBE_REPLIES)
-    conts = [outcome_line(o, r) + f"\n{reply_label(str(g))}: {w}." for g in guesses for o, r in PROBE_OUTCOMES
-             for w in PROBE_REPLIES]
+    conts = [outcome_line(o, r) + f"\nReply: {w}." for o, r in PROBE_OUTCOMES for w in PROBE_REPLIES]
     msgs = [prompts.successor(state, str(g)) for g in guesses]
-    lp = np.asarray(sampler.score([m for m in msgs for _ in range(per)], conts, params, "successor"),
-                    np.float64).reshape(len(msgs), per)
+    lp = np.asarray(sampler.score([m for m in msgs for _ in conts], conts * len(msgs), params, "successor"),
+                    np.float64).reshape(len(msgs), len(conts))
     wasted = np.asarray([w == WASTED_REPLY for _ in PROBE_OUTCOMES for w in PROBE_REPLIES])
     with np.errstate(invalid="ignore"):
         top = lp.max(axis=1, keepdims=True)
