@@ -165,12 +165,15 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
         for shape in sorted({b.shape for b in batches}):
             step.lower(state, next(b for b in batches if b.shape == shape)).compile()
         compile_s = time.perf_counter() - t0
+        print(f"  {name}: {len(batches)} batches, shapes {sorted({b.shape for b in batches})}, compiled in "
+              f"{compile_s:.0f} s", flush=True)
         times, losses = [], []
-        for b in batches:
+        for b in batches[:a.timing_batches]:
             t0 = time.perf_counter()
             state, met = step(state, b)
             losses.append(float(met["loss"]))  # blocks: the step's time includes its compute
             times.append(time.perf_counter() - t0)
+            print(f"    step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}", flush=True)
         out[name] = dict(step_s=times, total_s=sum(times), compile_s=compile_s, losses=losses,
                          shapes=sorted({b.shape for b in batches}))
     out["params"] = models.num_params(cfg) if hasattr(models, "num_params") else None
@@ -190,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--timing_max_len", type=int, default=8192,
                    help="the timed steps use this max_len (dense attention at 16k+ tokens does not fit this CPU)")
     p.add_argument("--timing_batch_size", type=int, default=4)
+    p.add_argument("--timing_batches", type=int, default=3, help="timed steps per layout (the same first batches)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
