@@ -65,6 +65,28 @@ def test_tree_shares_every_depth_and_keeps_a_prompt_token_per_leaf():
     assert pp.prefix_forest([text.Example(a, [1]), text.Example(a, [2])])[0].tokens == a[:-1]
     with pytest.raises(ValueError, match="example 0 does not fit"):
         pp.pack_shared_prefix([text.Example(P20, [1] * 50)], max_len=64)
+    with pytest.raises(ValueError, match="need more than batch_size=1 rows of 16 tokens"):
+        pp.pack_shared_prefix([text.Example([1] * 8, [2] * 8), text.Example([3] * 8, [4] * 8)], 16, batch_size=1)
+
+
+def test_a_tree_longer_than_a_row_is_split_and_keeps_the_losses(model_dir):
+    """Rows of 48 tokens for trees of ~130: the subtrees are binned into rows, each repeating its shared path; every
+    example is in exactly one leaf and the losses and gradients are still the unpacked batch's."""
+    cfg, params = family_model(model_dir, "llama", False)
+    ex = random_examples(cfg.vocab_size, seed=5, n=14)
+    packed = pp.pack_shared_prefix(ex, max_len=48, row_len=48)
+    whole = pp.pack_shared_prefix(ex, max_len=48, row_len=512)
+    assert packed.shape[1] == 48 and max(whole.shape[1], packed.attention_mask.sum(1).max()) > 48
+    # split: some shared path is laid out twice, so more tokens than the whole trees; one leaf per example
+    assert packed.attention_mask.sum() > whole.attention_mask.sum()
+    rows, cols = np.nonzero(packed.loss_mask)
+    assert len(set(zip(rows.tolist(), packed.node_ids[rows, cols].tolist()))) == len(ex)
+    unpacked = text.pack_examples(ex, max_len=48, batch_size=16)
+    for norm in ("token", "sequence"):
+        l_u, g_u, _ = _grads(cfg, params, unpacked, norm)
+        l_p, g_p, _ = _grads(cfg, params, packed, norm)
+        np.testing.assert_allclose(l_p, l_u, rtol=1e-5)
+        assert_grads_close(g_p, g_u)
 
 
 def random_examples(vocab, seed, n=14):

@@ -155,7 +155,10 @@ def pack_shared_prefix(examples: Sequence[text.Example], max_len: int, batch_siz
     else:
         B = int(batch_size)
     placement = _place(lengths, B, T)
-    while placement is None:  # T = row_len always fits: each tree is <= row_len, and there is a row per tree
+    while placement is None:  # with batch_size=None, T = row_len always fits (each tree <= row_len, a row each)
+        if T >= row_len:
+            raise ValueError(f"{len(examples)} examples need more than batch_size={B} rows of {row_len} tokens "
+                             f"({sum(lengths)} tokens after sharing); pass batch_size=None or a larger row_len")
         T = min(row_len, 2 * T)
         placement = _place(lengths, B, T)
 
