@@ -429,7 +429,7 @@ class CausalLM(nn.Module):
         q_slot = jnp.broadcast_to(jnp.expand_dims(index, -1) + jnp.arange(T, dtype=jnp.int32), (B, T))
         seen = attention_mask if fresh_cache else kv_mask  # the keys the queries attend to
         if segments is not None and cache is not None:
-            raise ValueError("segments (a shared-prefix packed batch) are for cache-free forward passes only")
+            raise ValueError("segments (a prefix-tree packed batch) are for cache-free forward passes only")
 
         def bias(window=None):
             if segments is not None:

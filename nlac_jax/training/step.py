@@ -36,7 +36,7 @@ _BATCH_DTYPES = {"input_ids": np.int32, "attention_mask": np.int32, "positions":
                  "loss_mask": np.float32, "kind": np.int32, "weight": np.float32, "denom_tokens": np.float32,
                  "denom_examples": np.float32}
 _DENOM_KEYS = ("denom_tokens", "denom_examples")
-# a shared-prefix packed batch (training/prefix_packing.py) adds these; its kind, weight, denominators are [B, T]
+# a prefix-tree packed batch (training/prefix_packing.py) adds these; its kind, weight, denominators are [B, T]
 PACKED_KEYS = ("node_ids", "node_ends")
 _BATCH_DTYPES.update({k: np.int32 for k in PACKED_KEYS})
 
