@@ -176,7 +176,7 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
             print(f"    step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}", flush=True)
         out[name] = dict(step_s=times, total_s=sum(times), compile_s=compile_s, losses=losses,
                          shapes=sorted({b.shape for b in batches}))
-    out["params"] = cfg.num_params()
+    out["params"] = cfg.num_params
     return out
 
 
