@@ -609,6 +609,22 @@ def prefill(cfg: ModelConfig, params: dict, ids: Array, mask: Array, cache_len: 
     return lm_head(cfg, params, hidden[:, -1:])[:, 0], constrain_cache(cache)
 
 
+def extend(cfg: ModelConfig, params: dict, ids: Array, mask: Array, cache: dict) -> tuple[Array, dict]:
+    """Run left-padded continuations ids/mask [B, T] after the tokens already in `cache` (a shared prompt prefix):
+    written at the cache's index, attending to its valid slots and causally among themselves. Positions continue
+    from the cache's real-token count (its mask), so a padded gap between prefix and continuation never shifts RoPE.
+    Full-attention layers only: a sliding window is measured in slots (`attention_mask_bias`), which the gap would
+    skew (the sampler does not share prefixes for such configs). Returns (logits of the last column [B, V] float32,
+    cache with index + T). `params` must be in cfg's layer layout."""
+    if cfg.has_sliding_layers:
+        raise ValueError(f"decoder.extend: {cfg.model_type} has sliding-window layers, whose window is measured in "
+                         "cache slots; a padded prefix cache would skew it")
+    start = jnp.sum(cache["mask"], axis=-1, dtype=jnp.int32)[:, None]  # [B, 1] real tokens already cached
+    positions = (start + jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)) * mask
+    hidden, cache = CausalLM(cfg).apply({"params": params}, ids, positions, mask, cache, return_hidden=True)
+    return lm_head(cfg, params, hidden[:, -1:])[:, 0], constrain_cache(cache)
+
+
 def decode_step(cfg: ModelConfig, params: dict, tok: Array, pos: Array, cache: dict) -> tuple[Array, dict]:
     """One decode step: tokens [B] at positions [B], written at the cache's running index -> (logits [B, V] float32,
     cache)."""

@@ -96,22 +96,47 @@ def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
                       lengths=st.lengths + active.astype(jnp.int32), ss_state=jnp.where(active, ss_state, st.ss_state))
 
 
-def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, src=None, *,
+def prefix_impl(cfg: ModelConfig, params, ids, mask, *, cache_len: int) -> dict:
+    """A call's shared prompt prefix ids/mask [D, P] (D identical left-padded rows, one per data-parallel shard)
+    into a fresh cache of `cache_len` slots (index P): what `prefill_impl` / `refill_impl` start from with `prefix`,
+    so the prefix is computed once per call instead of once per prompt."""
+    TRACE_COUNTS["prefix"] += 1
+    _, cache = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, cache_len)
+    return cache
+
+
+def _prefix_rows(prefix: dict, rows: int) -> dict:
+    """`rows` copies of the prefix cache (all D of its rows are equal): row u takes prefix row u * D // rows, the
+    one on its own data-parallel shard when rows is a multiple of D."""
+    D = prefix["mask"].shape[0]
+    return take_cache_rows(prefix, (jnp.arange(rows, dtype=jnp.int32) * D) // rows)
+
+
+def _prompt_cache(cfg: ModelConfig, params, ids, mask, cache_len: int, prefix: dict | None):
+    """(last-column logits [U, V], cache) of prompts ids/mask [U, T]: prefilled into a fresh cache of `cache_len`
+    slots, or, with a shared `prefix` cache (`prefix_impl`, whose length is then the cache's), run after it."""
+    if prefix is None:
+        return decoder.prefill(cfg, params, ids, mask, cache_len)
+    return decoder.extend(cfg, params, ids, mask, _prefix_rows(prefix, ids.shape[0]))
+
+
+def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, src=None, prefix=None, *,
                  new_bucket: int) -> DecodeState:
     """Prompts ids/mask [U, T] (left-padded) -> the decode state after the first token; cache of T + new_bucket
     slots in cfg's layer layout (params are re-laid out to it here, inside the jit). src [B] (optional): row b
     continues prompt src[b], so a prompt sampled several times is prefilled once (B rows from U prompts);
-    without it B = U. row_live [B]."""
+    without it B = U. row_live [B]. prefix (optional): the call's shared prompt prefix (`prefix_impl`, P slots of
+    a P + T + new_bucket cache); ids are then each prompt's rest after it."""
     TRACE_COUNTS["prefill"] += 1
     T = ids.shape[1]
-    logits, cache = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket)
+    logits, cache = _prompt_cache(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket, prefix)
     if src is not None:
-        logits, mask, cache = jnp.take(logits, src, axis=0), jnp.take(mask, src, axis=0), take_cache_rows(cache, src)
+        logits, cache = jnp.take(logits, src, axis=0), take_cache_rows(cache, src)
     B = logits.shape[0]
     st = DecodeState(
         tokens=sharding.constrain(jnp.zeros((B, new_bucket), jnp.int32), ("batch", "length")),
         logprobs=sharding.constrain(jnp.zeros((B, new_bucket), jnp.float32), ("batch", "length")),
-        last=jnp.zeros((B,), jnp.int32), prompt_len=mask.sum(axis=-1).astype(jnp.int32),
+        last=jnp.zeros((B,), jnp.int32), prompt_len=cache["mask"].sum(axis=-1).astype(jnp.int32),
         done=~row_live, reason=jnp.zeros((B,), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
         ss_state=jnp.zeros((B,), jnp.int32), cache=cache, step=jnp.int32(0), key=key,
         row_id=jnp.arange(B, dtype=jnp.int32))
@@ -159,18 +184,19 @@ def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket
         cache=decoder.constrain_cache(cache), step=jnp.int32(0), key=key, row_id=z - 1)
 
 
-def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl, src=None) -> DecodeState:
+def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl, src=None,
+                prefix=None) -> DecodeState:
     """Prefill prompts ids/mask [U, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
     decode state, holding rows row_ids [R], and pick their first tokens. Other rows are untouched. src [R]
     (optional): slot entry r continues prompt src[r] (a prompt sampled several times is prefilled once); without
-    it U = R."""
+    it U = R. prefix (optional): the call's shared prompt prefix cache (`prefix_impl`, as long as the state's);
+    ids are then each prompt's rest after it."""
     TRACE_COUNTS["refill"] += 1
     B = st.done.shape[0]
     S = st.cache["mask"].shape[1]
-    T = ids.shape[1]
-    logits, new = decoder.prefill(cfg, decoder.layout_params(cfg, params), ids, mask, S)
+    logits, new = _prompt_cache(cfg, decoder.layout_params(cfg, params), ids, mask, S, prefix)
     if src is not None:
-        logits, mask, new = jnp.take(logits, src, axis=0), jnp.take(mask, src, axis=0), take_cache_rows(new, src)
+        logits, new = jnp.take(logits, src, axis=0), take_cache_rows(new, src)
 
     def put(old, value, axis=0):
         return old.at[(slice(None),) * axis + (slots,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
@@ -178,13 +204,14 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     layer_axis = 0 if isinstance(st.cache["k"], (tuple, list)) else 1  # stacked caches: [L, B, K, S, D]
     cache = {k: (tuple(put(o, n) for o, n in zip(st.cache[k], new[k])) if layer_axis == 0
                  else put(st.cache[k], new[k], axis=1)) for k in ("k", "v")}
-    cache.update(mask=put(st.cache["mask"], new["mask"]), index=put(st.cache["index"], T))
+    cache.update(mask=put(st.cache["mask"], new["mask"]), index=put(st.cache["index"], new["index"]))
     zeros = jnp.zeros(slots.shape, jnp.int32)
     replaced = put(jnp.zeros((B,), bool), True)
     st2 = st.replace(
         tokens=put(st.tokens, jnp.zeros((slots.shape[0], st.tokens.shape[1]), jnp.int32)),
         logprobs=put(st.logprobs, jnp.zeros((slots.shape[0], st.logprobs.shape[1]), jnp.float32)),
-        last=put(st.last, zeros), prompt_len=put(st.prompt_len, mask.sum(axis=-1)), reason=put(st.reason, zeros),
+        last=put(st.last, zeros), prompt_len=put(st.prompt_len, new["mask"].sum(axis=-1)),
+        reason=put(st.reason, zeros),
         lengths=put(st.lengths, zeros), ss_state=put(st.ss_state, zeros), row_id=put(st.row_id, row_ids),
         cache=decoder.constrain_cache(cache), done=st.done & ~replaced)
     full_logits = put(jnp.zeros((B, logits.shape[-1]), logits.dtype), logits)

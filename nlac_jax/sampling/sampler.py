@@ -22,7 +22,7 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
-                                      prefill_impl, refill_impl)
+                                      prefill_impl, prefix_impl, refill_impl)
 from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ OVERFLOW_POLICIES = ("truncate_left", "error", "stop")
 
 _MIN_PROMPT_BUCKET = 16
 _MIN_NEW_BUCKET = 16
+_MIN_SHARED_PREFIX = 64  # a call's common prompt prefix shorter than this is not worth its own executable
 
 
 @dataclasses.dataclass
@@ -53,6 +54,8 @@ class GenerateOutput:
     prompt_tokens_dropped: np.ndarray | None = None
     num_steps: int = 0  # token-selection rounds actually run (early exit when every row is done)
     token_slots: int = 0  # row-rounds the compiled code ran (rows x rounds, filler and finished rows included)
+    shared_prefix: int = 0  # tokens of the prompts' common prefix, prefilled once for the whole call (0: none)
+    prefill_tokens: int = 0  # real prompt tokens prefilled: the shared prefix once, each prompt's rest once
 
     @property
     def useful_token_fraction(self) -> float:
@@ -102,7 +105,7 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
                  min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
-                 compact_levels: int = 0, weights: str = "compute"):
+                 compact_levels: int = 0, weights: str = "compute", min_shared_prefix: int = _MIN_SHARED_PREFIX):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
@@ -114,6 +117,11 @@ class Sampler:
         if weights not in ("compute", "master"):
             raise ValueError(f"weights={weights!r} is not one of compute|master")
         self.weights = weights
+        # min_shared_prefix: when a call's prompts (two or more) share a common prefix of at least this many tokens,
+        # it is prefilled once (`prefix_impl`) and every prompt only prefills its rest against that cache (0: never).
+        # Full-attention configs only: a sliding window is measured in cache slots, which the padded gap between
+        # the prefix and each prompt's rest would skew.
+        self.min_shared_prefix = max(0, int(min_shared_prefix))
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -130,15 +138,19 @@ class Sampler:
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
         # the prompt-processing executables get their own XLA options (nlac_jax/xla_options.py; on CPU only)
         self.prefill_options = xla_options.for_executable("prefill", cfg.dtype, platform) or None
-        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, *, new_bucket: prefill_impl(
-            run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket),
-            static_argnames=("new_bucket",), compiler_options=self.prefill_options)
+        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, prefix=None, *, new_bucket:
+                               prefill_impl(run_cfg, params, ids, mask, live, key, ctl, src, prefix,
+                                            new_bucket=new_bucket),
+                               static_argnames=("new_bucket",), compiler_options=self.prefill_options)
+        self.prefix = jax.jit(lambda params, ids, mask, *, cache_len: prefix_impl(
+            run_cfg, params, ids, mask, cache_len=cache_len), static_argnames=("cache_len",),
+            compiler_options=self.prefill_options)
         self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
         self.empty = jax.jit(lambda key, batch, cache_len, new_bucket: empty_state(
             run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket),
             static_argnames=("batch", "cache_len", "new_bucket"))
-        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src: refill_impl(
-            run_cfg, params, st, ids, mask, slots, rows, ctl, src), donate_argnums=(1,),
+        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src, prefix=None: refill_impl(
+            run_cfg, params, st, ids, mask, slots, rows, ctl, src, prefix), donate_argnums=(1,),
             compiler_options=self.prefill_options)
         self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
@@ -321,14 +333,16 @@ class Sampler:
         ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
         key = _as_key(seed)
         B = len(prompts) * per_prompt
+        L = self.shared_prefix_length(prompts)
+        rests = [p[L:] for p in prompts]
         with self._mesh_ctx():
             params = self.run_params(self.place_params(params))
             if slots is not None and B > int(slots):
                 tokens, logprobs, lengths, reason, steps, token_slots = self._continuous(
-                    params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows)
+                    params, rests, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows, prompts[0][:L])
             else:
                 tokens, logprobs, lengths, reason, steps, token_slots = self._one_batch(
-                    params, prompts, per_prompt, max_new_tokens, key, ctl)
+                    params, rests, per_prompt, max_new_tokens, key, ctl, prompts[0][:L])
         tokens = np.array(tokens[:B, :max_new_tokens])
         logprobs = np.array(logprobs[:B, :max_new_tokens])
         lengths = np.array(lengths[:B])
@@ -354,7 +368,8 @@ class Sampler:
         return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
                               prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
                               prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt),
-                              num_steps=int(steps), token_slots=int(token_slots))
+                              num_steps=int(steps), token_slots=int(token_slots), shared_prefix=L,
+                              prefill_tokens=L + sum(len(r) for r in rests))
 
     def _device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
@@ -385,6 +400,30 @@ class Sampler:
             return replicated_to_global(np.asarray(x), rep)
         return jax.tree.map(one, tree, is_leaf=is_key)
 
+    def shared_prefix_length(self, prompts: Sequence[list]) -> int:
+        """Tokens of the prompts' common prefix that a call prefills once (0: no sharing): two or more prompts,
+        every one keeping at least one token of its own (the first sampled token reads its last position), at least
+        `min_shared_prefix` tokens, and a config without sliding-window layers."""
+        if self.min_shared_prefix == 0 or len(prompts) < 2 or self.cfg.has_sliding_layers:
+            return 0
+        a = np.asarray(prompts[0][: min(len(p) for p in prompts) - 1], np.int64)
+        L = len(a)
+        for p in prompts[1:]:
+            if L == 0:
+                break
+            diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
+            L = int(diff[0]) if diff.size else L
+        return L if L >= self.min_shared_prefix else 0
+
+    def _prefix_cache(self, params, prefix: list, cache_len: int):
+        """(cache holding the shared prefix in its first Pb slots, Pb), or (None, 0) without a prefix."""
+        if not prefix:
+            return None, 0
+        Pb = bucket_length(len(prefix), self.min_prompt_bucket)
+        ids, mask = self._left_pad([prefix] * self.data_parallel, self.data_parallel, Pb)
+        ids, mask = self._device_rows(ids, mask)
+        return self.prefix(params, ids, mask, cache_len=Pb + cache_len), Pb
+
     @staticmethod
     def _left_pad(prompts, rows: int, width: int):
         """ids, mask [rows, width] int32 (text.left_pad); rows beyond the prompts hold one dummy token, so no row of
@@ -392,11 +431,13 @@ class Sampler:
         from nlac_jax import text
         return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
-    def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl):
+    def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, prefix=()):
         """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
-        the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows."""
+        the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a shared
+        `prefix` (token ids), `prompts` are each prompt's rest after it and the prefix is prefilled once."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
+        prefix_cache, _ = self._prefix_cache(params, list(prefix), Tb + Nb)
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
         src = None
         if Ub < Bb:  # fewer prompts to prefill than rows: prefill each once
@@ -408,15 +449,17 @@ class Sampler:
         ids, mask = self._device_rows(ids, mask)
         (live,) = self._device_rows(np.arange(Bb) < P)
         key, ctl, src = self._replicated((key, ctl, src))
-        st = self.prefill(params, ids, mask, live, key, ctl, src, new_bucket=Nb)
+        st = self.prefill(params, ids, mask, live, key, ctl, src, prefix_cache, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
         return self._slot_loop(params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
                                rows=P)
 
-    def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows):
+    def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, prefix=()):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
-        calls (host syncs only there). With n > 1 a refill places whole prompts: each prefilled once, into n slots."""
+        calls (host syncs only there). With n > 1 a refill places whole prompts: each prefilled once, into n slots.
+        With a shared `prefix`, `prompts` are each prompt's rest after it; every refill starts from its cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
+        prefix_cache, Pb = self._prefix_cache(params, list(prefix), Tb + Nb)
         dp = self.data_parallel
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)
         if n > B // dp * dp or n > B:  # a prompt's n rows cannot all fit at once: no sharing
@@ -427,9 +470,9 @@ class Sampler:
         while Ru * n > B and Ru > dp:
             Ru -= dp
         key, ctl = self._replicated((key, ctl))
-        st = self.empty(key, batch=B, cache_len=Tb + Nb, new_bucket=Nb)
+        st = self.empty(key, batch=B, cache_len=Pb + Tb + Nb, new_bucket=Nb)
         return self._slot_loop(params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
-                               rows=len(prompts) * n, prompt_bucket=Tb)
+                               rows=len(prompts) * n, prompt_bucket=Tb, prefix=prefix_cache)
 
     def _half_batch(self, batch: int, top: int) -> int | None:
         """batch // 2 if the drain of a call that started with `top` rows may compact to it (at most
@@ -439,7 +482,7 @@ class Sampler:
         return half if ok else None
 
     def _slot_loop(self, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
-                   prompt_bucket=0):
+                   prompt_bucket=0, prefix=None):
         """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
         Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
         each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
@@ -467,7 +510,7 @@ class Sampler:
                     holds[free[e]] = nxt + e
                 ids, mask = self._device_rows(ids, mask)
                 idx, row_ids, src = self._replicated((idx, row_ids, src if n > 1 else None))
-                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src)
+                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, prefix)
                 nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
                 continue  # fill every free slot before decoding
             if nxt < P:  # return when a refill's worth has finished
@@ -513,7 +556,8 @@ class Sampler:
 
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
-        return {"prefill": self.prefill._cache_size(), "decode": self.decode._cache_size(),
+        return {"prefill": self.prefill._cache_size(), "prefix": self.prefix._cache_size(),
+                "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}
 

@@ -1,0 +1,135 @@
+"""The sampler's shared-prefix cache: a call's common prompt prefix is prefilled once and every prompt prefills only
+its rest against it. Greedy tokens equal the unshared path's and transformers' (the independent reference);
+sampled tokens keep following each prompt's index; one-batch, n samples per prompt, continuous batching, 8 devices;
+sliding-window configs do not share."""
+
+import jax
+import numpy as np
+import pytest
+
+from nlac_jax import models, sampling, sharding, tiny
+
+from hf_reference import hf_greedy, make_hf_model
+
+VOCAB = 512
+PREFIX = 80  # > the default min_shared_prefix (64): prefix bucket 128
+RESTS = (1, 5, 17, 30, 9)
+
+
+def _prompts(seed=0, prefix=PREFIX, rests=RESTS):
+    rng = np.random.RandomState(seed)
+    shared = rng.randint(3, VOCAB - 3, prefix).tolist()
+    # every rest starts with a token that differs between prompts, so the common prefix is exactly `prefix`
+    return [shared + [3 + i] + rng.randint(3, VOCAB - 3, n - 1).tolist() for i, n in enumerate(rests)]
+
+
+def _model(family, d, **kw):
+    hm = make_hf_model(family, d, seed=0, std=0.5, vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+                       tie_word_embeddings=kw.pop("tie", False), **kw)
+    tiny.make_tiny_tokenizer(out_dir=d)
+    return hm, models.load_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return _model("qwen2", str(tmp_path_factory.mktemp("qwen")))
+
+
+def _pair(cfg, **kw):
+    return sampling.Sampler(cfg, **kw), sampling.Sampler(cfg, min_shared_prefix=0, **kw)
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    assert a.stop_reason == b.stop_reason
+    # float32 sums in another order (the rest attends over the prefix cache's slots, not a fresh batch's)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=2e-5, atol=2e-5)
+
+
+def test_shared_prefix_greedy_equals_unshared_and_transformers(qwen):
+    hm, m = qwen
+    ps = _prompts()
+    shared, plain = _pair(m.config)
+    kw = dict(max_new_tokens=24, stop_token_ids=())
+    a, b = shared.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
+    assert a.shared_prefix == PREFIX and b.shared_prefix == 0
+    assert a.prefill_tokens == PREFIX + sum(RESTS) and b.prefill_tokens == sum(len(p) for p in ps)
+    _assert_same(a, b)
+    np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 24))
+    np.testing.assert_array_equal(a.prompt_lengths, [len(p) for p in ps])
+    assert shared.cache_sizes()["prefix"] == 1 and plain.cache_sizes()["prefix"] == 0
+    # other prompts with the same buckets: no new executable
+    before = dict(sampling.TRACE_COUNTS)
+    c = shared.generate(m.params, _prompts(seed=1, rests=(2, 30, 4, 8, 1)), **kw)  # same batch bucket (8)
+    assert c.shared_prefix == PREFIX and dict(sampling.TRACE_COUNTS) == before
+
+
+def test_shared_prefix_sampled_n_and_continuous_batching(qwen):
+    """Sampled rows follow their prompt's index whichever path prefilled them: n samples per prompt and continuous
+    batching (more prompts than slots, refills start from the prefix cache) equal the unshared path, row for row."""
+    _, m = qwen
+    ps = _prompts(seed=2, rests=(3, 12, 1, 25, 7, 16, 2, 9, 30))
+    stop = tuple(range(40, 90))  # rows stop at different lengths, so refills happen mid-call
+    shared, plain = _pair(m.config, compact_levels=2)
+    for kw in (dict(temperature=1.0, seed=5, n=3), dict(slots=4, refill_rows=2),
+               dict(temperature=1.0, seed=6, slots=4, refill_rows=2), dict(temperature=1.0, seed=7, slots=8, n=2)):
+        a = shared.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
+        b = plain.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
+        assert a.shared_prefix == PREFIX, kw
+        _assert_same(a, b)
+        assert len(set(b.lengths.tolist())) > 2, kw
+    assert shared.cache_sizes()["refill"] >= 1
+
+
+def test_shared_prefix_on_eight_devices_equals_one(qwen):
+    _, m = qwen
+    ps = _prompts(seed=3)
+    ref = sampling.Sampler(m.config, min_shared_prefix=0).generate(m.params, ps, max_new_tokens=16,
+                                                                    stop_token_ids=())
+    for shape in (dict(data=2, fsdp=1, tensor=4), dict(data=8, fsdp=1, tensor=1)):
+        mesh = sharding.make_mesh(**shape)
+        params = jax.device_put(m.params, models.param_shardings(m.config, mesh))
+        s = sampling.Sampler(m.config, mesh=mesh)
+        for kw in (dict(), dict(slots=8, refill_rows=8)):
+            out = s.generate(params, ps, max_new_tokens=16, stop_token_ids=(), **kw)
+            assert out.shared_prefix == PREFIX
+            np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_llama_tied_embeddings_shared_prefix_matches_transformers(tmp_path):
+    hm, m = _model("llama", str(tmp_path), tie=True)
+    ps = _prompts(seed=4, rests=(4, 11))
+    out = sampling.Sampler(m.config).generate(m.params, ps, max_new_tokens=20, stop_token_ids=())
+    assert out.shared_prefix == PREFIX
+    np.testing.assert_array_equal(out.tokens, hf_greedy(hm, ps, 20))
+
+
+def test_sliding_window_configs_do_not_share(tmp_path):
+    """Gemma 3's local layers measure their window in cache slots: the sampler keeps those prompts unshared."""
+    _, m = _model("gemma3", str(tmp_path), tie=True)
+    assert m.config.has_sliding_layers
+    ps = _prompts(seed=5, rests=(2, 6))
+    out = sampling.Sampler(m.config).generate(m.params, ps, max_new_tokens=8, stop_token_ids=())
+    assert out.shared_prefix == 0 and out.prefill_tokens == sum(len(p) for p in ps)
+    from nlac_jax.models import decoder
+    with pytest.raises(ValueError, match="sliding-window"):
+        decoder.extend(m.config, m.params, None, None, None)
+
+
+def test_shared_prefix_length_rules(qwen):
+    _, m = qwen
+    s = sampling.Sampler(m.config, min_shared_prefix=4)
+    base = list(range(10, 30))
+    assert s.shared_prefix_length([base]) == 0  # one prompt: nothing to share
+    assert s.shared_prefix_length([base, base]) == 19  # identical prompts: each keeps its last token
+    assert s.shared_prefix_length([base[:6], base]) == 5  # a prompt that is the other's prefix keeps one token
+    assert s.shared_prefix_length([base, base[:5] + [1] + base[6:]]) == 5
+    assert s.shared_prefix_length([base, base[:3] + [1]]) == 0  # below min_shared_prefix
+    assert sampling.Sampler(m.config, min_shared_prefix=0).shared_prefix_length([base, base]) == 0
+    # identical prompts sharing everything but the last token still generate what the unshared path does
+    a = s.generate(m.params, [base, base], max_new_tokens=6, stop_token_ids=())
+    b = sampling.Sampler(m.config, min_shared_prefix=0).generate(m.params, [base, base], max_new_tokens=6,
+                                                                 stop_token_ids=())
+    assert a.shared_prefix == 19
+    np.testing.assert_array_equal(a.tokens, b.tokens)
