@@ -3,6 +3,8 @@
     python benchmarks/bench_sampling.py                       # the issue's reference setting (several minutes)
     python benchmarks/bench_sampling.py --quick               # batch 1 and 8, 32 new tokens, float32 only
     python benchmarks/bench_sampling.py --batches 1,32 --new_tokens 64 --dtypes float32,bfloat16 --repeats 3
+    python benchmarks/bench_sampling.py --shared_prefix 1536 --suffix_len 64 --batches 16 --new_tokens 32 \
+        --dtypes float32 --repeats 2 --only_shared      # prompts sharing a prefix (the prefix cache)
 
 Reference model: a random Qwen2 (hidden 768, 8 layers, 12 heads, 2 kv heads, MLP 2048, vocab 32000, untied head:
 97.9M parameters); prompts of --prompt_len random tokens; exactly --new_tokens new tokens (no early stop); greedy.
@@ -75,6 +77,12 @@ def main(argv=None):
                    help="K > 1: also time K samples of each of B/K prompts: ours with generate(n=K) (each prompt "
                         "prefilled once) against ours with the prompts repeated K times and transformers' "
                         "num_return_sequences=K (sampled, temperature 1, top_k 0)")
+    p.add_argument("--shared_prefix", type=int, default=0, metavar="P",
+                   help="P > 0: also time B prompts that share a P-token prefix, each with its own --suffix_len "
+                        "tokens: ours (the prefix is prefilled once), ours with min_shared_prefix=0 (every prompt "
+                        "prefilled whole) and transformers generate (no prefix cache); greedy")
+    p.add_argument("--suffix_len", type=int, default=64)
+    p.add_argument("--only_shared", action="store_true", help="with --shared_prefix: skip the per-batch table")
     args = p.parse_args(argv)
     defaults = dict(batches="1,8", new_tokens=32, dtypes="float32", repeats=1) if args.quick else \
         dict(batches="1,8,32", new_tokens=128, dtypes="float32,bfloat16", repeats=3)
@@ -112,14 +120,16 @@ def main(argv=None):
     print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s (best of " +
           ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bws.items()) +
           f"); prompt {T} tokens, {N} new tokens, greedy, no early stop")
-    rows, shared = [], []
+    rows, shared, prefixed = [], [], []
     for dtype in dtypes:
         m = models.load_pretrained(model_dir, dtype=dtype, load_tokenizer=False)
         cfg = m.config
         pbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(m.params))
         hm = hm32 if dtype == "float32" else hm32.to(getattr(torch, dtype))
         sampler = sampling.Sampler(cfg)
-        for B in batches:
+        if args.shared_prefix:
+            prefixed.extend(shared_prefix_rows(args, m, hm, batches, dtype))
+        for B in ([] if args.only_shared else batches):
             rng = np.random.RandomState(B)
             prompts = rng.randint(0, cfg.vocab_size, (B, T)).tolist()
             kw = dict(max_new_tokens=N, stop_token_ids=(), temperature=0.0)
@@ -185,6 +195,21 @@ def main(argv=None):
             print(f"| {r['dtype']} | {r['B']} | {r['shared']:.1f} | {r['repeated']:.1f} | "
                   + ("-" if r["hf"] is None else f"{r['hf']:.1f}") + f" | {r['shared'] / r['repeated']:.2f}x | "
                   + ("-" if r["hf"] is None else f"{r['shared'] / r['hf']:.2f}x") + " |")
+    if prefixed:
+        print(f"\nPrompts sharing a {args.shared_prefix}-token prefix, each with its own {args.suffix_len} tokens, "
+              f"{N} greedy new tokens (seconds per call, best of {args.repeats}; transformers has no prefix cache)"
+              "\n\n| dtype | prompts | ours (prefix once) s | ours, no sharing s | transformers s | sharing / no "
+              "sharing | ours / transformers | prefill tokens ours / presented | greedy agree (ours vs no sharing, "
+              "vs transformers) |\n|---|---|---|---|---|---|---|---|---|")
+        for r in prefixed:
+            hf = "-" if r["hf"] is None else f"{r['hf']:.2f}"
+            vs = "-" if r["hf"] is None else f"{r['hf'] / r['ours']:.2f}x"
+            ag = "-" if r["agree_hf"] is None else f"{r['agree_hf']:.0%}"
+            print(f"| {r['dtype']} | {r['B']} | {r['ours']:.2f} | {r['plain']:.2f} | {hf} | "
+                  f"{r['plain'] / r['ours']:.2f}x | {vs} | {r['computed']} / {r['presented']} | "
+                  f"{r['agree_plain']:.0%}, {ag} |")
+    if args.only_shared:
+        return prefixed
     print("\n| dtype | batch | compile s | ours tok/s | transformers tok/s (same dtype) | speed-up | "
           "speed-up vs transformers f32 | our decode steps/s | stream eff. ours / hf | greedy agree |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -225,6 +250,50 @@ def shared_prefill_rows(args, m, hm, sampler, batches, dtype) -> list[dict]:
         out.append(dict(dtype=dtype, B=B, **{k: B * N / v for k, v in best.items()}, **({} if "hf" in runs
                                                                                        else {"hf": None})))
         print(f"  K={K} rows {B}: " + ", ".join(f"{k} {B * N / v:.1f} tok/s" for k, v in best.items()), flush=True)
+    return out
+
+
+def shared_prefix_rows(args, m, hm, batches, dtype) -> list[dict]:
+    """Seconds per `generate` call for B prompts sharing an args.shared_prefix-token prefix (each with its own
+    args.suffix_len tokens): ours through the public API (the prefix cache finds the prefix), ours with sharing off,
+    transformers generate on the same (equal-length, unpadded) prompts; greedy, interleaved, best of repeats."""
+    import torch
+    from nlac_jax import sampling
+    N, P, S = args.new_tokens, args.shared_prefix, args.suffix_len
+    out = []
+    for B in batches:
+        rng = np.random.RandomState(1000 + B)
+        prefix = rng.randint(0, m.config.vocab_size, P).tolist()
+        prompts = [prefix + rng.randint(0, m.config.vocab_size, S).tolist() for _ in range(B)]
+        kw = dict(max_new_tokens=N, stop_token_ids=(), temperature=0.0)
+        plain = sampling.Sampler(m.config, min_shared_prefix=0)
+        ti = torch.tensor(prompts)
+        res = {}
+        runs = {"ours": lambda: sampling.generate(m, prompts, **kw), "plain": lambda: plain.generate(m.params, prompts,
+                                                                                                      **kw)}
+        if not args.no_hf:
+            def hf():
+                with torch.no_grad():
+                    return hm.generate(input_ids=ti, attention_mask=torch.ones_like(ti), do_sample=False,
+                                       max_new_tokens=N, min_new_tokens=N, eos_token_id=None, pad_token_id=0)
+            runs["hf"] = hf
+        best = {k: float("inf") for k in runs}
+        for k, fn in runs.items():
+            res[k] = fn()  # warm-up / compile
+        for _ in range(args.repeats):  # interleaved
+            for k, fn in runs.items():
+                t = time.perf_counter()
+                res[k] = fn()
+                best[k] = min(best[k], time.perf_counter() - t)
+        ours = res["ours"]
+        row = dict(dtype=dtype, B=B, ours=best["ours"], plain=best["plain"], hf=best.get("hf"),
+                   computed=int(ours.prefill_tokens), presented=B * (P + S),
+                   agree_plain=float((ours.tokens == res["plain"].tokens).mean()),
+                   agree_hf=float((res["hf"][:, P + S:].numpy() == ours.tokens).mean()) if "hf" in res else None)
+        assert ours.shared_prefix == P, (ours.shared_prefix, P)
+        out.append(row)
+        print(f"  shared prefix {P} + {S}, {B} prompts: " + ", ".join(f"{k} {v:.2f} s" for k, v in best.items()),
+              flush=True)
     return out
 
 

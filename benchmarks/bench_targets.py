@@ -15,9 +15,10 @@ domain's policy and tool schemas, so a token covers about as many characters of 
 tokenizer (printed). Counts are exact for that tokenizer.
 
 Reported:
-* targets phase: prompt tokens presented to the sampler (one prefill per sampled row, as today's sampler does),
-  and the tokens a perfect prefix cache over the phase would compute (the size of the token trie of all its
-  prompts): the ceiling of a shared-prefix KV cache (issue 24, item 2; not built yet, so today computes 100%);
+* targets phase: prompt tokens presented to the sampler (one prefill per sampled row), the tokens the sampler
+  prefills (`Sampler.shared_prefix_length`: each call's common prefix once, each prompt's rest once; a prompt
+  sampled n times once), and the tokens a perfect prefix cache over the whole phase would compute (the size of the
+  token trie of all its prompts): the ceiling of a prefix cache kept across calls (not built);
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `text.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
@@ -43,6 +44,20 @@ def trie_tokens(seqs) -> int:
     for s in sorted(map(list, seqs)):
         out += len(s) - common_prefix_length(prev, s)
         prev = s
+    return out
+
+
+def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64) -> int:
+    """Prompt tokens `sampling.Sampler` prefills for these role calls (one `generate` call each, as
+    `nlac.model_roles` makes them): per call, the prompts' common prefix once (when `shared_prefix_length` shares
+    it) and each distinct prompt's rest once (n samples of a prompt are prefilled once)."""
+    from nlac_jax import text
+    from nlac_jax.sampling import shared_prefix_length
+    out = 0
+    for call in calls:
+        prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
+        L = shared_prefix_length(prompts, min_shared_prefix)
+        out += L + sum(len(p) - L for p in prompts)
     return out
 
 
@@ -106,6 +121,7 @@ def targets_phase(transitions, tokenizer, k: int):
             r[1] += call.n * len(ids)
     examples = [x for x in critic + policy if x.dropped is None]
     return dict(rows=len(rows), presented=sum(map(len, rows)), trie=trie_tokens(rows), per_role=per_role,
+                sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
                 seconds=seconds), examples
 
 
@@ -212,8 +228,10 @@ def main(argv=None) -> int:
     print(f"\ntargets phase (k={a.k}): {phase['rows']} sampled rows, {phase['presented']:,} prompt tokens presented")
     for role, (n, t) in sorted(phase["per_role"].items()):
         print(f"  {role:10s} {n:4d} rows {t:10,d} tokens")
-    print(f"  a perfect prefix cache over the phase computes {phase['trie']:,} "
-          f"({phase['trie'] / phase['presented']:.1%} of presented); today's sampler computes 100%")
+    print(f"  the sampler prefills {phase['sampler']:,} ({phase['sampler'] / phase['presented']:.1%} of presented; "
+          f"{phase['calls']} generate calls, each call's common prefix once)")
+    print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
+          f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
     row_len = a.row_len or 2 * a.max_len
     lay = layouts(examples, tok, a.max_len, a.batch_size, 1, row_len)

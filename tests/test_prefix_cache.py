@@ -127,6 +127,7 @@ def test_shared_prefix_length_rules(qwen):
     assert s.shared_prefix_length([base, base[:5] + [1] + base[6:]]) == 5
     assert s.shared_prefix_length([base, base[:3] + [1]]) == 0  # below min_shared_prefix
     assert sampling.Sampler(m.config, min_shared_prefix=0).shared_prefix_length([base, base]) == 0
+    assert sampling.shared_prefix_length([base, base], 4) == 19 and sampling.shared_prefix_length([base, base], 0) == 0
     # identical prompts sharing everything but the last token still generate what the unshared path does
     a = s.generate(m.params, [base, base], max_new_tokens=6, stop_token_ids=())
     b = sampling.Sampler(m.config, min_shared_prefix=0).generate(m.params, [base, base], max_new_tokens=6,

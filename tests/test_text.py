@@ -260,7 +260,7 @@ def test_loss_mask_covers_exactly_the_target(tok):
     batch = text.pack_examples(examples, max_len=512, pad_id=tok.pad_token_id)
     _check_contract(batch)
     longest = max(len(e.prompt_ids) + len(e.target_ids) for e in examples)
-    assert batch.shape == (3, text.bucket_length(longest))
+    assert batch.shape == (3, text.bucket_length(longest, fine=True))
     assert batch.num_examples == 3 and batch.num_truncated == 0 and batch.tokens_dropped == 0
     np.testing.assert_array_equal(batch.kind, [k for *_, k, _ in cases])
     np.testing.assert_allclose(batch.weight, [w for *_, w in cases])
@@ -347,6 +347,14 @@ def test_bucket_length():
         16, 16, 16, 16, 32, 32, 64, 128, 1024,
     ]
     assert text.bucket_length(3, minimum=1) == 4
+    # fine buckets: powers of two and 1.5x each (at most a third padding), same minimum and cap
+    assert [text.bucket_length(n, fine=True) for n in (1, 16, 17, 24, 25, 33, 48, 49, 1536, 1537)] == [
+        16, 16, 24, 24, 32, 48, 48, 64, 1536, 2048]
+    assert [text.bucket_length(n, minimum=1, fine=True) for n in (1, 2, 3, 4, 5, 7)] == [1, 2, 3, 4, 6, 8]
+    assert text.bucket_length(100, maximum=120, fine=True) == 120
+    for n in range(1, 5000):
+        b = text.bucket_length(n, minimum=1, fine=True)
+        assert n <= b and (b - n) < b / 3 + 1, (n, b)
     assert text.bucket_length(100, maximum=120) == 120
     assert text.bucket_length(5, minimum=16, maximum=8) == 8
     with pytest.raises(ValueError, match="exceeds"):
@@ -355,8 +363,8 @@ def test_bucket_length():
 
 def test_pack_bucketing_and_pad_to():
     ex = [text.Example(list(range(1, 11)), [20, 21, 22, 23, 24, 25, 26, 27])]  # 18 tokens
-    assert text.pack_examples(ex, max_len=256).shape == (1, 32)
-    assert text.pack_examples(ex, max_len=24).shape == (1, 24)  # bucket capped at max_len
+    assert text.pack_examples(ex, max_len=256).shape == (1, 24)  # the fine bucket (1.5 x 16)
+    assert text.pack_examples(ex, max_len=20).shape == (1, 20)  # bucket capped at max_len
     b = text.pack_examples(ex, max_len=256, pad_to=20, pad_id=7)
     assert b.shape == (1, 20)
     assert b.input_ids[0, 18:].tolist() == [7, 7]

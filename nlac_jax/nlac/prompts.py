@@ -331,7 +331,18 @@ class PromptSet:
         return render_transcript(messages, self.transcript_labels, self.max_transcript_chars)
 
     def _common(self, state: Sequence[Mapping]) -> dict:
-        return {"transcript": self.transcript(state), "state_messages": [dict(m) for m in state], "task": self.task}
+        """The fields every role template may read. ``system_message`` is the state's leading system message(s)
+        verbatim and ``conversation`` the transcript of the messages after it: the packaged sets put the former
+        first (as their own system message) and the latter right after it, before any role's instructions, so
+        every role's prompt, the policy's included, starts with the same tokens and the sampler's prefix cache
+        and the train step's prefix-tree packing compute them once. ``transcript`` is the whole transcript."""
+        lead = 0
+        while lead < len(state) and state[lead].get("role") == "system":
+            lead += 1
+        return {"transcript": self.transcript(state), "state_messages": [dict(m) for m in state], "task": self.task,
+                "system_message": "\n\n".join(_content_text(m) for m in state[:lead]),
+                "conversation": render_transcript(state[lead:], self.transcript_labels, self.max_transcript_chars,
+                                                  empty="(no messages yet)")}
 
     def render(self, role: str, **fields: Any) -> list[dict]:
         """Renders ``role``'s template with exactly ``fields`` (no defaults); missing fields raise."""

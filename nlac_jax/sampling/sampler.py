@@ -93,6 +93,22 @@ def _as_key(seed) -> Array:
     return jax.random.wrap_key_data(np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
+def shared_prefix_length(prompts: Sequence[list], minimum: int = _MIN_SHARED_PREFIX) -> int:
+    """Tokens of the prompts' (token-id lists) common prefix that one `generate` call prefills once, 0 for none:
+    two or more prompts, every one keeping at least one token of its own (the first sampled token reads its last
+    position), at least `minimum` tokens (0: never share)."""
+    if minimum <= 0 or len(prompts) < 2:
+        return 0
+    a = np.asarray(prompts[0][: min(len(p) for p in prompts) - 1], np.int64)
+    L = len(a)
+    for p in prompts[1:]:
+        if L == 0:
+            break
+        diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
+        L = int(diff[0]) if diff.size else L
+    return L if L >= minimum else 0
+
+
 class Sampler:
     """Compiled prefill + decode for one model config (and mesh). Keep one and call it with any params.
 
@@ -224,7 +240,7 @@ class Sampler:
         b = bucket_length(batch, self.min_batch_bucket)
         dp = self.data_parallel
         b = -(-b // dp) * dp
-        return (b, bucket_length(longest_prompt, self.min_prompt_bucket),
+        return (b, bucket_length(longest_prompt, self.min_prompt_bucket, fine=True),
                 bucket_length(max_new_tokens, self.min_new_bucket))
 
     def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
@@ -401,25 +417,17 @@ class Sampler:
         return jax.tree.map(one, tree, is_leaf=is_key)
 
     def shared_prefix_length(self, prompts: Sequence[list]) -> int:
-        """Tokens of the prompts' common prefix that a call prefills once (0: no sharing): two or more prompts,
-        every one keeping at least one token of its own (the first sampled token reads its last position), at least
-        `min_shared_prefix` tokens, and a config without sliding-window layers."""
-        if self.min_shared_prefix == 0 or len(prompts) < 2 or self.cfg.has_sliding_layers:
+        """Tokens of these prompts' common prefix that a call prefills once (`shared_prefix_length` with this
+        sampler's `min_shared_prefix`; 0 for a config with sliding-window layers)."""
+        if self.cfg.has_sliding_layers:
             return 0
-        a = np.asarray(prompts[0][: min(len(p) for p in prompts) - 1], np.int64)
-        L = len(a)
-        for p in prompts[1:]:
-            if L == 0:
-                break
-            diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
-            L = int(diff[0]) if diff.size else L
-        return L if L >= self.min_shared_prefix else 0
+        return shared_prefix_length(prompts, self.min_shared_prefix)
 
     def _prefix_cache(self, params, prefix: list, cache_len: int):
         """(cache holding the shared prefix in its first Pb slots, Pb), or (None, 0) without a prefix."""
         if not prefix:
             return None, 0
-        Pb = bucket_length(len(prefix), self.min_prompt_bucket)
+        Pb = bucket_length(len(prefix), self.min_prompt_bucket, fine=True)
         ids, mask = self._left_pad([prefix] * self.data_parallel, self.data_parallel, Pb)
         ids, mask = self._device_rows(ids, mask)
         return self.prefix(params, ids, mask, cache_len=Pb + cache_len), Pb

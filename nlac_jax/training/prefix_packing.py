@@ -147,7 +147,7 @@ def pack_shared_prefix(examples: Sequence[text.Example], max_len: int, batch_siz
                              f"tokens = {n} > max_len={max_len}; fit the prompt first (text.PromptFitter)")
     trees = _split([], prefix_forest(examples), row_len)  # (path, subtrees) with len(path) + Σ sizes <= row_len
     lengths = [len(path) + sum(n.size for n in nodes) for path, nodes in trees]
-    T = text.bucket_length(max(lengths, default=1), minimum=16, maximum=row_len)
+    T = text.bucket_length(max(lengths, default=1), minimum=16, maximum=row_len, fine=True)
     if batch_size is None:
         B = max(1, int(row_multiple))
         while _place(lengths, B, T) is None:
@@ -159,7 +159,7 @@ def pack_shared_prefix(examples: Sequence[text.Example], max_len: int, batch_siz
         if T >= row_len:
             raise ValueError(f"{len(examples)} examples need more than batch_size={B} rows of {row_len} tokens "
                              f"({sum(lengths)} tokens after sharing); pass batch_size=None or a larger row_len")
-        T = min(row_len, 2 * T)
+        T = min(row_len, text.bucket_length(T + 1, minimum=16, fine=True))  # the next bucket
         placement = _place(lengths, B, T)
 
     ids = np.full((B, T), pad_id, np.int32)
