@@ -68,7 +68,9 @@ class LoopConfig:
       call has no waiting prompt, its running rows move into a batch half as large, up to this many times (0: off),
       so the drain does not decode finished rows; each level is one more decode executable per bucket (compiled at
       the bucket's first call): it pays off when a decode step's cost grows with its rows (a real model, long
-      caches), not on a toy model, where it only adds compile time.
+      caches), not on a toy model, where it only adds compile time. sampler_shared_prefix: a call's prompts that
+      share a common prefix of at least this many tokens prefill it once (`sampling.Sampler(min_shared_prefix=)`;
+      0: off).
     Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
@@ -97,6 +99,7 @@ class LoopConfig:
     sampler_max_batch: int = 64
     sampler_min_batch: int = 16
     sampler_compact_levels: int = 2
+    sampler_shared_prefix: int = 64
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
@@ -108,7 +111,7 @@ class LoopConfig:
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
-                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels")
+                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix")
         for name in at_least_1:
             _check_int(self, name, 1)
         for name in at_least_0:
@@ -322,7 +325,8 @@ class NLACRun:
                                                             seed=self.loop.seed, donate_params=params is not None)
 
         self.sampler = sampling.Sampler(self.cfg, mesh=self.mesh, min_batch_bucket=self.loop.sampler_min_batch,
-                                        compact_levels=self.loop.sampler_compact_levels)
+                                        compact_levels=self.loop.sampler_compact_levels,
+                                        min_shared_prefix=self.loop.sampler_shared_prefix)
         holder = self.holder
         self.roles = model_roles.ModelRoleSampler(
             self.sampler, self.tokenizer,

@@ -158,6 +158,22 @@ def test_a_seed_whose_warm_start_fails_the_premise_runs_no_arm(tmp_path):
     assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["warm_start"]
 
 
+def test_warm_role_repeat_lists_a_role_k_times_and_rejects_bad_values():
+    from nlac_jax.experiments.config import UnitScaleConfig
+    from nlac_jax.experiments.corpus import CorpusExample
+    from nlac_jax.experiments.unit_scale import repeat_roles
+    ex = [CorpusExample(role=r, prompt_messages=[{"role": "user", "content": str(i)}], target_text="t", task_id="1")
+          for i, r in enumerate(["policy", "successor", "evaluator", "successor"])]
+    out = repeat_roles(ex, {"successor": 3})
+    assert [e.role for e in out] == ["policy"] + ["successor"] * 3 + ["evaluator"] + ["successor"] * 3
+    assert out[1] is ex[1] and out[5] is ex[3]
+    assert repeat_roles(ex, {}) == ex
+    with pytest.raises(ValueError, match="unknown role 'critic'"):
+        UnitScaleConfig(warm_role_repeat={"critic": 2})
+    with pytest.raises(ValueError, match=r"warm_role_repeat\['successor'\] must be an integer >= 1"):
+        UnitScaleConfig(warm_role_repeat={"successor": 0})
+
+
 def test_warm_start_batches_are_padded_to_their_bucket():
     from nlac_jax.experiments.warm_start import bucketed_batches, padded_length
     assert [padded_length(n, 1024, 32) for n in (1, 32, 33, 150, 1000)] == [32, 32, 64, 160, 1024]

@@ -8,7 +8,7 @@ import gin
 
 from nlac_jax.experiments.arms import ARMS
 from nlac_jax.experiments import corpus_forecast  # noqa: F401  (registers experiments.forecast_corpus)
-from nlac_jax.experiments.corpus import DEFAULT_MIX
+from nlac_jax.experiments.corpus import CORPUS_ROLES, DEFAULT_MIX
 
 CORPORA = ("toy", "toy_forecast")
 
@@ -31,6 +31,9 @@ class UnitScaleConfig:
     warm_start_per_seed: one warm start per seed, in WORKDIR/warm_start_seed_<s>, from corpus seed corpus_seed + s
       and warm-start seed warm_seed + s (every seed then measures a different warm start as well); False: one warm
       start (WORKDIR/warm_start) shared by every seed.
+    warm_role_repeat: {role: k}: the warm start trains on each corpus example of that role k times per epoch
+      (k >= 1; default once), so a role whose knowledge needs more updates than its share of the corpus gives
+      (the learned-critic corpus's successor) gets them within the same number of steps.
     warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
@@ -59,6 +62,7 @@ class UnitScaleConfig:
     warm_bucket_multiple: int | None = 32
     warm_start_per_seed: bool = False
     premise_min_gap: float | None = None
+    warm_role_repeat: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -66,6 +70,12 @@ class UnitScaleConfig:
             raise ValueError(f"UnitScaleConfig.arms: unknown arm(s) {unknown}; arms are {list(ARMS)}")
         if self.corpus not in CORPORA:
             raise ValueError(f"UnitScaleConfig.corpus: unknown corpus {self.corpus!r}; corpora are {list(CORPORA)}")
+        for role, k in dict(self.warm_role_repeat).items():
+            if role not in CORPUS_ROLES:
+                raise ValueError(f"UnitScaleConfig.warm_role_repeat: unknown role {role!r}; roles are "
+                                 f"{list(CORPUS_ROLES)}")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"UnitScaleConfig.warm_role_repeat[{role!r}] must be an integer >= 1, got {k!r}")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
         for name in ("iterations", "eval_every", "grpo_group_size", "n", "corpus_episodes", "warm_steps",

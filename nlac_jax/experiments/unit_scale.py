@@ -57,6 +57,12 @@ def corpus_examples(xcfg, corpus_seed: int) -> tuple[list, dict]:
     return examples, corpus.corpus_stats(examples)
 
 
+def repeat_roles(examples: list, repeat: dict) -> list:
+    """``examples`` with each example of role r listed ``repeat[r]`` times (`UnitScaleConfig.warm_role_repeat`;
+    other roles once), in the original order: the warm start's shuffled epochs then see that role k times as often."""
+    return [e for e in examples for _ in range(int(repeat.get(e.role, 1)))]
+
+
 def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused).
     Per-seed warm starts use corpus seed ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
@@ -69,6 +75,7 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     offset = seed if xcfg.warm_start_per_seed else 0
     t0 = time.perf_counter()
     examples, stats = corpus_examples(xcfg, xcfg.corpus_seed + offset)
+    examples = repeat_roles(examples, xcfg.warm_role_repeat)
     model_cfg, tok, _ = building.build_model(model_dir=None)
     history: list = []
     name = os.path.basename(out)
