@@ -49,14 +49,14 @@ def trie_tokens(seqs) -> int:
 
 def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64) -> int:
     """Prompt tokens `sampling.Sampler` prefills for these role calls (one `generate` call each, as
-    `nlac.model_roles` makes them): per call, the prompts' common prefix once (when `shared_prefix_length` shares
-    it) and each distinct prompt's rest once (n samples of a prompt are prefilled once)."""
+    `nlac.model_roles` makes them): per call, the prompts' shared prefix once (`prefix_to_share` of their common
+    prefix, as a fresh sampler picks it) and each distinct prompt's rest once (n samples of a prompt: once)."""
     from nlac_jax import text
-    from nlac_jax.sampling import shared_prefix_length
+    from nlac_jax.sampling import prefix_to_share, shared_prefix_length
     out = 0
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
-        L = shared_prefix_length(prompts, min_shared_prefix)
+        L = prefix_to_share(shared_prefix_length(prompts, min_shared_prefix), (), min_shared_prefix)
         out += L + sum(len(p) - L for p in prompts)
     return out
 

@@ -447,6 +447,18 @@ def bucket_length(n: int, minimum: int = 16, maximum: int | None = None, fine: b
     return b if maximum is None else min(b, maximum)
 
 
+def bucket_floor(n: int, minimum: int = 16, per_octave: int = 2) -> int:
+    """n rounded DOWN to a grid of `per_octave` values per power of two (a power of two: with 2, the fine buckets
+    of `bucket_length(fine=True)`, 16, 24, 32, 48, ...; with 8, steps of 1/8 of the power of two below n), or
+    `minimum` when that is larger: e.g. a shared prompt prefix rounded down to one of few shapes."""
+    if n < 1:
+        raise ValueError(f"bucket_floor needs n >= 1, got {n}")
+    if per_octave < 1 or per_octave & (per_octave - 1):
+        raise ValueError(f"per_octave must be a power of two, got {per_octave}")
+    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    return max(int(minimum), n // step * step)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: elementwise array comparison has no single truth value
 class PackedBatch:
     """A right-padded token batch (docs/ARCHITECTURE.md, "Token batches"); B rows, T columns.

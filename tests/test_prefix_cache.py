@@ -12,7 +12,7 @@ from nlac_jax import models, sampling, sharding, tiny
 from hf_reference import hf_greedy, make_hf_model
 
 VOCAB = 512
-PREFIX = 80  # > the default min_shared_prefix (64): prefix bucket 128
+PREFIX = 96  # > the default min_shared_prefix (64), and a bucket value (the shared length is rounded down to one)
 RESTS = (1, 5, 17, 30, 9)
 
 
@@ -122,15 +122,22 @@ def test_shared_prefix_length_rules(qwen):
     s = sampling.Sampler(m.config, min_shared_prefix=4)
     base = list(range(10, 30))
     assert s.shared_prefix_length([base]) == 0  # one prompt: nothing to share
+    # the common prefix (identical prompts: all but the last token), rounded down to a bucket value
     assert s.shared_prefix_length([base, base]) == 19  # identical prompts: each keeps its last token
     assert s.shared_prefix_length([base[:6], base]) == 5  # a prompt that is the other's prefix keeps one token
-    assert s.shared_prefix_length([base, base[:5] + [1] + base[6:]]) == 5
+    assert s.shared_prefix_length([base, base[:7] + [1] + base[8:]]) == 7
+    assert sampling.shared_prefix_length([base, base], 4) == 19
+    # how much a call shares: rounded down to 8 lengths per power of two, or a compiled length within 3/4 of it
+    assert sampling.prefix_to_share(19, (), 4) == 18 and sampling.prefix_to_share(4759) == 4608
+    assert sampling.prefix_to_share(224, [208, 160]) == 208  # reuses a compiled neighbour
+    assert sampling.prefix_to_share(224, [160]) == 224  # 160 < 3/4 x 224: too much sharing lost
+    assert sampling.prefix_to_share(0, [64]) == 0
     assert s.shared_prefix_length([base, base[:3] + [1]]) == 0  # below min_shared_prefix
     assert sampling.Sampler(m.config, min_shared_prefix=0).shared_prefix_length([base, base]) == 0
-    assert sampling.shared_prefix_length([base, base], 4) == 19 and sampling.shared_prefix_length([base, base], 0) == 0
+    assert sampling.shared_prefix_length([base, base], 0) == 0
     # identical prompts sharing everything but the last token still generate what the unshared path does
     a = s.generate(m.params, [base, base], max_new_tokens=6, stop_token_ids=())
     b = sampling.Sampler(m.config, min_shared_prefix=0).generate(m.params, [base, base], max_new_tokens=6,
                                                                  stop_token_ids=())
-    assert a.shared_prefix == 19
+    assert a.shared_prefix == 18
     np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -355,6 +355,13 @@ def test_bucket_length():
     for n in range(1, 5000):
         b = text.bucket_length(n, minimum=1, fine=True)
         assert n <= b and (b - n) < b / 3 + 1, (n, b)
+        f = text.bucket_floor(n, minimum=1)  # the largest fine bucket <= n
+        assert f <= n and text.bucket_length(f, minimum=1, fine=True) == f and text.bucket_length(
+            f + 1, minimum=1, fine=True) > n, (n, f)
+    assert [text.bucket_floor(n, 16) for n in (1, 16, 23, 24, 47, 48, 4759)] == [16, 16, 16, 24, 32, 48, 4096]
+    assert [text.bucket_floor(n, 1, 8) for n in (7, 8, 9, 17, 100, 4759)] == [7, 8, 9, 16, 96, 4608]
+    with pytest.raises(ValueError, match="power of two"):
+        text.bucket_floor(10, 1, 3)
     assert text.bucket_length(100, maximum=120) == 120
     assert text.bucket_length(5, minimum=16, maximum=8) == 8
     with pytest.raises(ValueError, match="exceeds"):

@@ -12,8 +12,8 @@ Files
 -----
 One concern per module; this one holds only these notes and the re-exports.
 * `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate`, `GenerateOutput`,
-  `OVERFLOW_POLICIES`, `shared_prefix_length` (argument checks, prompt encoding, context overflow, the shared
-  prefix, buckets and padding, output assembly).
+  `OVERFLOW_POLICIES`, `shared_prefix_length`, `prefix_to_share` (argument checks, prompt encoding, context
+  overflow, the shared prefix, buckets and padding, output assembly).
 * `decode.py`: the compiled decode loop: `DecodeState`, `controls` (the traced settings), `prefill_impl`,
   `decode_impl` (what a Sampler jits), `STOP_REASONS`, `TRACE_COUNTS`.
 * The model itself (`models.decoder`) owns the forward pass: `prefill`, `decode_step`, `init_cache`, `lm_head`.
@@ -66,12 +66,15 @@ Design
   prompt_len[b] + c.
 * Shared-prefix cache (`Sampler(min_shared_prefix=64)`, on by default): when a call's prompts (two or more) share a
   common prefix of at least that many tokens (the system prompt and tool schemas of every role's prompt), `prefix`
-  prefills it once (D = data-parallel rows) into the first Pb slots of a Pb + T + N cache, and `prefill` / `refill`
-  start every prompt from a copy of those rows and prefill only its rest (`models.decoder.extend`; positions
-  continue from the prefix's real tokens, so the padded gap never shifts RoPE). Greedy outputs equal the unshared
-  path's; sampled rows keep following their prompt's index. One `prefix` executable per (Pb, cache length); the
-  rest bucket replaces the prompt bucket. Not for sliding-window configs (their window is measured in slots). Not
-  yet across calls. `GenerateOutput.shared_prefix` / `prefill_tokens` say what a call shared and computed.
+  prefills `prefix_to_share` of it once (P tokens, unpadded, on D = data-parallel rows) into the first P slots of
+  the usual T + N cache, and `prefill` / `refill` start every prompt from a copy of those rows and prefill only its
+  rest, left-padded into the other T - P (`models.decoder.extend`; positions continue from the prefix's real
+  tokens, so the padded gap never shifts RoPE). Greedy outputs equal the unshared path's; sampled rows keep
+  following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
+  compiled at the same buckets when one is within 3/4 of the common prefix: few, sticky shapes (the loop's
+  no-recompilation test holds). The decode executables are the unshared path's (same cache length). Not for
+  sliding-window configs (their window is measured in slots). Not yet across calls, and one common prefix per
+  call (not a radix tree). `GenerateOutput.shared_prefix` / `prefill_tokens` say what a call shared and computed.
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.
@@ -109,13 +112,13 @@ Design
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
 from nlac_jax.sampling.sampler import (OVERFLOW_POLICIES, GenerateOutput, Sampler, generate, get_sampler,
-                                       shared_prefix_length)
+                                       prefix_to_share, shared_prefix_length)
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
 from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_table, host_stop_string_cut,
                                             stop_string_table, token_bytes)
 
 __all__ = [
-    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length",
+    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length", "prefix_to_share",
     "STOP_REASONS", "TRACE_COUNTS", "DecodeState", "controls", "prefill_impl", "decode_impl", "MIN_STOP_SLOTS",
     "select_tokens", "filter_logits", "top_k_mask", "top_p_mask",
     "token_bytes", "stop_string_table", "device_stop_table", "host_stop_string_cut", "cut_text", "decode_text",

@@ -20,7 +20,7 @@ import numpy as np
 from nlac_jax import models, sharding, xla_options
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
-from nlac_jax.text import bucket_length  # the one power-of-two bucketing rule (prompts, batches, budgets)
+from nlac_jax.text import bucket_floor, bucket_length  # the one bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl)
 from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
@@ -33,6 +33,7 @@ OVERFLOW_POLICIES = ("truncate_left", "error", "stop")
 _MIN_PROMPT_BUCKET = 16
 _MIN_NEW_BUCKET = 16
 _MIN_SHARED_PREFIX = 64  # a call's common prompt prefix shorter than this is not worth its own executable
+_PREFIX_STEPS = 8  # shared prefixes are rounded down to 8 lengths per power of two (loses < 1/8 of the sharing)
 
 
 @dataclasses.dataclass
@@ -96,7 +97,7 @@ def _as_key(seed) -> Array:
 def shared_prefix_length(prompts: Sequence[list], minimum: int = _MIN_SHARED_PREFIX) -> int:
     """Tokens of the prompts' (token-id lists) common prefix that one `generate` call prefills once, 0 for none:
     two or more prompts, every one keeping at least one token of its own (the first sampled token reads its last
-    position), at least `minimum` tokens (0: never share)."""
+    position), at least `minimum` tokens (0: never share). `prefix_to_share` picks how much of it is shared."""
     if minimum <= 0 or len(prompts) < 2:
         return 0
     a = np.asarray(prompts[0][: min(len(p) for p in prompts) - 1], np.int64)
@@ -107,6 +108,20 @@ def shared_prefix_length(prompts: Sequence[list], minimum: int = _MIN_SHARED_PRE
         diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
         L = int(diff[0]) if diff.size else L
     return L if L >= minimum else 0
+
+
+def prefix_to_share(common: int, used: Sequence[int] = (), minimum: int = _MIN_SHARED_PREFIX) -> int:
+    """How many of a call's `common` shared prefix tokens (`shared_prefix_length`) it prefills once: the longest
+    length in `used` (those this sampler already compiled at the call's prompt bucket) within [3/4 common, common],
+    else `common` rounded DOWN to one of 8 lengths per power of two (`text.bucket_floor`). So the prefix needs no
+    padding, and the shapes depend on the data only through a coarse, sticky value: the common prefix of one role's
+    prompts varies by a few tokens from call to call (the transcripts' first turns), and a length compiled once is
+    reused instead of compiling its neighbour (the loop's no-recompilation guarantee after the first iteration).
+    At most a quarter of the sharing is given up. 0 for `common` 0."""
+    if common <= 0:
+        return 0
+    near = [p for p in used if 3 * common <= 4 * p <= 4 * common]
+    return max(near) if near else bucket_floor(common, min(minimum, common), _PREFIX_STEPS)
 
 
 class Sampler:
@@ -138,6 +153,7 @@ class Sampler:
         # Full-attention configs only: a sliding window is measured in cache slots, which the padded gap between
         # the prefix and each prompt's rest would skew.
         self.min_shared_prefix = max(0, int(min_shared_prefix))
+        self._prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -154,21 +170,32 @@ class Sampler:
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
         # the prompt-processing executables get their own XLA options (nlac_jax/xla_options.py; on CPU only)
         self.prefill_options = xla_options.for_executable("prefill", cfg.dtype, platform) or None
-        self.prefill = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, prefix=None, *, new_bucket:
-                               prefill_impl(run_cfg, params, ids, mask, live, key, ctl, src, prefix,
-                                            new_bucket=new_bucket),
-                               static_argnames=("new_bucket",), compiler_options=self.prefill_options)
-        self.prefix = jax.jit(lambda params, ids, mask, *, cache_len: prefix_impl(
-            run_cfg, params, ids, mask, cache_len=cache_len), static_argnames=("cache_len",),
-            compiler_options=self.prefill_options)
-        self.decode = jax.jit(lambda params, st, ctl: decode_impl(run_cfg, params, st, ctl), donate_argnums=(1,))
-        self.empty = jax.jit(lambda key, batch, cache_len, new_bucket: empty_state(
-            run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket),
-            static_argnames=("batch", "cache_len", "new_bucket"))
-        self.refill = jax.jit(lambda params, st, ids, mask, slots, rows, ctl, src, prefix=None: refill_impl(
-            run_cfg, params, st, ids, mask, slots, rows, ctl, src, prefix), donate_argnums=(1,),
-            compiler_options=self.prefill_options)
-        self.compact = jax.jit(lambda st, keep: compact_impl(st, keep))
+        # named functions, so the loop's "compiled N new executable(s)" warning says which
+        def sampler_prefill(params, ids, mask, live, key, ctl, src=None, prefix=None, *, new_bucket):
+            return prefill_impl(run_cfg, params, ids, mask, live, key, ctl, src, prefix, new_bucket=new_bucket)
+
+        def sampler_prefix(params, ids, mask, *, cache_len):
+            return prefix_impl(run_cfg, params, ids, mask, cache_len=cache_len)
+
+        def sampler_decode(params, st, ctl):
+            return decode_impl(run_cfg, params, st, ctl)
+
+        def sampler_empty(key, batch, cache_len, new_bucket):
+            return empty_state(run_cfg, key, batch=batch, cache_len=cache_len, new_bucket=new_bucket)
+
+        def sampler_refill(params, st, ids, mask, slots, rows, ctl, src, prefix=None):
+            return refill_impl(run_cfg, params, st, ids, mask, slots, rows, ctl, src, prefix)
+
+        self.prefill = jax.jit(sampler_prefill, static_argnames=("new_bucket",),
+                               compiler_options=self.prefill_options)
+        self.prefix = jax.jit(sampler_prefix, static_argnames=("cache_len",), compiler_options=self.prefill_options)
+        self.decode = jax.jit(sampler_decode, donate_argnums=(1,))
+        self.empty = jax.jit(sampler_empty, static_argnames=("batch", "cache_len", "new_bucket"))
+        self.refill = jax.jit(sampler_refill, donate_argnums=(1,), compiler_options=self.prefill_options)
+        def sampler_compact(st, keep):  # its own function: jit caches are per function, and per Sampler here
+            return compact_impl(st, keep)
+
+        self.compact = jax.jit(sampler_compact)
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
@@ -349,16 +376,15 @@ class Sampler:
         ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
         key = _as_key(seed)
         B = len(prompts) * per_prompt
-        L = self.shared_prefix_length(prompts)
-        rests = [p[L:] for p in prompts]
+        common = self.shared_prefix_length(prompts)
         with self._mesh_ctx():
             params = self.run_params(self.place_params(params))
             if slots is not None and B > int(slots):
-                tokens, logprobs, lengths, reason, steps, token_slots = self._continuous(
-                    params, rests, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows, prompts[0][:L])
+                tokens, logprobs, lengths, reason, steps, token_slots, L = self._continuous(
+                    params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows, common)
             else:
-                tokens, logprobs, lengths, reason, steps, token_slots = self._one_batch(
-                    params, rests, per_prompt, max_new_tokens, key, ctl, prompts[0][:L])
+                tokens, logprobs, lengths, reason, steps, token_slots, L = self._one_batch(
+                    params, prompts, per_prompt, max_new_tokens, key, ctl, common)
         tokens = np.array(tokens[:B, :max_new_tokens])
         logprobs = np.array(logprobs[:B, :max_new_tokens])
         lengths = np.array(lengths[:B])
@@ -385,7 +411,7 @@ class Sampler:
                               prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
                               prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt),
                               num_steps=int(steps), token_slots=int(token_slots), shared_prefix=L,
-                              prefill_tokens=L + sum(len(r) for r in rests))
+                              prefill_tokens=L + sum(len(p) - L for p in prompts))
 
     def _device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
@@ -417,20 +443,28 @@ class Sampler:
         return jax.tree.map(one, tree, is_leaf=is_key)
 
     def shared_prefix_length(self, prompts: Sequence[list]) -> int:
-        """Tokens of these prompts' common prefix that a call prefills once (`shared_prefix_length` with this
-        sampler's `min_shared_prefix`; 0 for a config with sliding-window layers)."""
+        """The prompts' common prefix (`shared_prefix_length` with this sampler's `min_shared_prefix`; 0 for a
+        config with sliding-window layers). A call shares `prefix_to_share` of it."""
         if self.cfg.has_sliding_layers:
             return 0
         return shared_prefix_length(prompts, self.min_shared_prefix)
 
+    def _pick_shared(self, common: int, prompt_bucket: int, new_bucket: int) -> int:
+        """`prefix_to_share` for a call at these buckets, remembered for the next calls."""
+        used = self._prefix_lengths.setdefault((prompt_bucket, new_bucket), set())
+        L = prefix_to_share(common, sorted(used), self.min_shared_prefix)
+        if L:
+            used.add(L)
+        return L
+
     def _prefix_cache(self, params, prefix: list, cache_len: int):
-        """(cache holding the shared prefix in its first Pb slots, Pb), or (None, 0) without a prefix."""
+        """The cache of `cache_len` slots holding the shared `prefix` (unpadded) in its first len(prefix) slots,
+        prefilled on D = data-parallel rows; None without a prefix."""
         if not prefix:
-            return None, 0
-        Pb = bucket_length(len(prefix), self.min_prompt_bucket, fine=True)
-        ids, mask = self._left_pad([prefix] * self.data_parallel, self.data_parallel, Pb)
-        ids, mask = self._device_rows(ids, mask)
-        return self.prefix(params, ids, mask, cache_len=Pb + cache_len), Pb
+            return None
+        D = self.data_parallel
+        ids, mask = self._device_rows(*self._left_pad([prefix] * D, D, len(prefix)))
+        return self.prefix(params, ids, mask, cache_len=cache_len)
 
     @staticmethod
     def _left_pad(prompts, rows: int, width: int):
@@ -439,13 +473,17 @@ class Sampler:
         from nlac_jax import text
         return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
-    def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, prefix=()):
+    def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, common=0):
         """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
-        the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a shared
-        `prefix` (token ids), `prompts` are each prompt's rest after it and the prefix is prefilled once."""
+        the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a
+        `common` prefix, the first `shared` tokens (`_pick_shared`) are prefilled once, into the first `shared`
+        slots of the prompt bucket, and each prompt's rest fills the other Tb - shared (same cache length, same
+        decode). Returns the per-row arrays, the rounds, the token slots and `shared`."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
-        prefix_cache, _ = self._prefix_cache(params, list(prefix), Tb + Nb)
+        shared = self._pick_shared(common, Tb, Nb)
+        prefix_cache = self._prefix_cache(params, list(prompts[0][:shared]), Tb + Nb)
+        prompts, Tb = [p[shared:] for p in prompts], Tb - shared
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
         src = None
         if Ub < Bb:  # fewer prompts to prefill than rows: prefill each once
@@ -460,14 +498,16 @@ class Sampler:
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix_cache, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
         return self._slot_loop(params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
-                               rows=P)
+                               rows=P) + (shared,)
 
-    def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, prefix=()):
+    def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, common=0):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
         calls (host syncs only there). With n > 1 a refill places whole prompts: each prefilled once, into n slots.
-        With a shared `prefix`, `prompts` are each prompt's rest after it; every refill starts from its cache."""
+        With a `common` prefix (as in `_one_batch`), every refill starts from the shared prefix's cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
-        prefix_cache, Pb = self._prefix_cache(params, list(prefix), Tb + Nb)
+        shared = self._pick_shared(common, Tb, Nb)
+        prefix_cache = self._prefix_cache(params, list(prompts[0][:shared]), Tb + Nb)
+        prompts, cache_len, Tb = [p[shared:] for p in prompts], Tb + Nb, Tb - shared
         dp = self.data_parallel
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)
         if n > B // dp * dp or n > B:  # a prompt's n rows cannot all fit at once: no sharing
@@ -478,9 +518,9 @@ class Sampler:
         while Ru * n > B and Ru > dp:
             Ru -= dp
         key, ctl = self._replicated((key, ctl))
-        st = self.empty(key, batch=B, cache_len=Pb + Tb + Nb, new_bucket=Nb)
+        st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
         return self._slot_loop(params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
-                               rows=len(prompts) * n, prompt_bucket=Tb, prefix=prefix_cache)
+                               rows=len(prompts) * n, prompt_bucket=Tb, prefix=prefix_cache) + (shared,)
 
     def _half_batch(self, batch: int, top: int) -> int | None:
         """batch // 2 if the drain of a call that started with `top` rows may compact to it (at most
