@@ -97,7 +97,7 @@ def _record(st: DecodeState, logits: Array, ctl: dict) -> DecodeState:
 
 
 def prefix_impl(cfg: ModelConfig, params, ids, mask, *, cache_len: int) -> dict:
-    """A call's shared prompt prefix ids/mask [D, P] (D identical left-padded rows, one per data-parallel shard)
+    """A call's shared prompt prefix ids/mask [D, P] (D identical unpadded rows, one per data-parallel shard)
     into a fresh cache of `cache_len` slots (index P): what `prefill_impl` / `refill_impl` start from with `prefix`,
     so the prefix is computed once per call instead of once per prompt."""
     TRACE_COUNTS["prefix"] += 1
