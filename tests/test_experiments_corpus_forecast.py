@@ -159,3 +159,122 @@ def test_scripted_references_show_what_the_knowledge_is_worth(source):
     corpus rule wastes hurts: the knowledge, not the skill, decides."""
     ref = F.reference_success_rates(N, source.tasks("test"), waste_every=3, episodes_per_task=4)
     assert ref["oracle_refiner"] > ref["behaviour"] + 0.2 > ref["corpus_rule_refiner"] + 0.2, ref
+
+
+ODDS = tuple(range(1, N + 1, 2))
+
+
+def test_rule_free_corpus_holds_no_knowledge_of_which_numbers_are_wasted(source):
+    """corpus_waste_p: each corpus-game episode wastes its own random set, so the successor's targets say "no
+    answer" at about that rate for every kind of number (odd, even, multiple of 3): the warm start can learn the
+    format and the base rate, not a rule. The same number is wasted in some episodes and answered in others."""
+    ex = F.forecast_corpus(N, 150, 7, skill_episodes=0, task_source=source, corpus_waste_p=0.35)
+    assert _key(ex) == _key(F.forecast_corpus(N, 150, 7, skill_episodes=0, task_source=source, corpus_waste_p=0.35))
+    replies = {}  # guess -> [wasted?]
+    for e in ex:
+        if e.role != "successor":
+            continue
+        g, reply = parse_guess(e.action), F.forecast_reply(e.target_text)
+        if g is not None and reply not in (None, "correct"):
+            replies.setdefault(g, []).append(reply == "no answer")
+
+    def rate(pred):
+        xs = [w for g, ws in replies.items() if pred(g) for w in ws]
+        return sum(xs) / len(xs)
+    for pred in (lambda g: g % 2 == 1, lambda g: g % 2 == 0, lambda g: g % 3 == 0, lambda g: g % 3 != 0):
+        assert 0.2 < rate(pred) < 0.5, {g: sum(w) / len(w) for g, w in replies.items()}
+    assert abs(rate(lambda g: g % 2 == 1) - rate(lambda g: g % 2 == 0)) < 0.1
+    assert abs(rate(lambda g: g % 3 == 0) - rate(lambda g: g % 3 != 0)) < 0.1
+    mixed = [g for g, ws in replies.items() if len(ws) >= 5 and 0 < sum(ws) < len(ws)]
+    assert len(mixed) >= 10, replies
+    # the fixed rule is still the default (the old design's corpus)
+    fixed = F.forecast_corpus(N, 8, 7, skill_episodes=0, task_source=source)
+    assert all((F.forecast_reply(e.target_text) == "no answer") == (parse_guess(e.action) % 2 == 0)
+               for e in fixed if e.role == "successor" and F.forecast_reply(e.target_text) != "correct")
+
+
+def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
+    """The RL game wastes the odd numbers (GuessNumberEnv.wasted_numbers), the corpus holds no rule
+    (corpus_waste_every=0): a scripted critic that knows the RL rule reads 1 on _rl, 0 on _other, NaN on _corpus."""
+    from nlac_jax.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+
+    def successor(messages, j):
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 else "Reply: lower.")
+
+    def scores(messages, continuation, served):
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        a, b = (0.4, 0.025) if g % 2 else (0.05, 0.1125)  # P(wasted) 0.8 for odds, 0.1 for evens
+        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
+    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}, scores=scores), ps, 12, waste_every=0,
+                        corpus_waste_every=0, wasted_numbers=(1, 3, 5, 7, 9, 11))
+    assert math.isnan(got.pop("probe/wasted_said_corpus")) and math.isnan(got.pop("probe/p_wasted_corpus"))
+    assert got == pytest.approx({"probe/wasted_said_rl": 1.0, "probe/wasted_said_other": 0.0,
+                                 "probe/knowledge_accuracy": 1.0, "probe/p_wasted_rl": 0.8,
+                                 "probe/p_wasted_other": 0.1})
+
+
+def test_references_for_a_listed_rule(source):
+    """Odd numbers wasted: the true rule's refiner wins far more often than the waste-blind behaviour; a rule-free
+    corpus has no corpus-rule reference."""
+    ref = F.reference_success_rates(N, source.tasks("test"), waste_every=0, episodes_per_task=4,
+                                    wasted_numbers=ODDS, corpus_waste_every=0)
+    assert set(ref) == {"behaviour", "oracle_refiner", "episodes"}
+    assert ref["oracle_refiner"] > ref["behaviour"] + 0.3, ref
+
+
+def test_skill_probe_scores_copying_and_reading():
+    """A scripted critic that answers every skill prompt as the corpus does scores 1 everywhere; one whose backup
+    copies the forecast's reply instead of the real one, and whose evaluator names the first guess of the history,
+    loses exactly those skills and keeps the others."""
+    from nlac_jax.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+    ex = F.build_forecast_examples(F._train_tasks(N, None), N, 0, 24, 99, prompts=ps)
+    table = {(e.role, json.dumps(e.prompt_messages)): e.target_text for e in ex}
+
+    def right(role):
+        return lambda m, j: table[(role, json.dumps(m))]
+    perfect = F.skill_probe(ScriptedRoleSampler({r: right(r) for r in F.SKILL_ROLES}), ps, N)
+    assert perfect == {"skill/backup_reply": 1.0, "skill/backup_outcome": 1.0, "skill/evaluator_guess": 1.0,
+                       "skill/evaluator_verdict": 1.0, "skill/evaluator_exact": 1.0, "skill/refiner": 1.0}
+
+    def backup_copies_forecast(m, j):
+        t = table[("backup", json.dumps(m))]
+        fc = m[-1]["content"].split("Forecast after it: ", 1)[1]
+        return t.split("\n")[0] + "\nReply: " + F.forecast_reply(fc) + "."
+
+    def evaluator_names_first(m, j):
+        t = table[("evaluator", json.dumps(m))]
+        return t.replace(f"Guess {F.named_guess(t)} ", "Guess 0 ", 1)
+    broken = F.skill_probe(ScriptedRoleSampler({"backup": backup_copies_forecast, "evaluator": evaluator_names_first,
+                                                "refiner": right("refiner")}), ps, N)
+    assert broken["skill/backup_outcome"] == 1.0 and broken["skill/refiner"] == 1.0
+    assert broken["skill/evaluator_verdict"] == 1.0 and broken["skill/evaluator_guess"] == 0.0
+    assert broken["skill/evaluator_exact"] == 0.0
+    assert 0.2 < broken["skill/backup_reply"] < 0.9, broken  # right only where the two replies agree
+    assert F.named_guess("Forecast reply: no answer. Guess 15 is wasted: try 16.\nVerdict: suboptimal") == "15"
+    assert F.named_guess("Forecast reply: higher. Guess 7 gets an answer.\nVerdict: optimal") == "7"
+    assert F.named_guess("Verdict: optimal") is None
+
+
+def test_learnability_examples_follow_the_rule_and_the_batch_share():
+    """critic_learnability: the true-target successor examples say "no answer" exactly for the rule's numbers (when
+    not the hidden number), and each batch of the mixture holds the asked share of them."""
+    from nlac_jax.experiments import critic_learnability as L
+    assert L.wasted_numbers("mult3", 10) == (3, 6, 9) and L.wasted_numbers("odd", 5) == (1, 3, 5)
+    with pytest.raises(ValueError, match="unknown rule 'prime'"):
+        L.wasted_numbers("prime", 10)
+    ex = L.true_successor_examples("odd", N, episodes=40)
+    seen = set()
+    for e in ex:
+        g, reply = parse_guess(e.action), F.forecast_reply(e.target_text)
+        if g is not None and reply != "correct":
+            assert (reply == "no answer") == (g % 2 == 1), (e.action, e.target_text)
+            seen.add(g % 2)
+    assert seen == {0, 1}
+    pol = [e for e in F.forecast_corpus(N, 4, 0, skill_episodes=0, corpus_waste_p=0.35) if e.role == "policy"]
+    mix = L.mixture(ex, pol, 3, 0.25)
+    assert len(mix) == 3 * L.BATCH
+    for b in range(3):
+        assert [e.role for e in mix[b * L.BATCH:(b + 1) * L.BATCH]] == ["successor"] * 4 + ["policy"] * 12

@@ -138,6 +138,18 @@ def test_premise_check_by_hand():
     ok, line = premise_check({"eval/success_rate": 0.3}, 0.5)  # no probe metrics: an asked-for check fails
     assert not ok and "no knowledge-probe metrics" in line
     assert not premise_check({"probe/wasted_said_corpus": float("nan"), "probe/wasted_said_other": 0.0}, 0.0)[0]
+    # the rule-free premise: the warm start must NOT know the RL game's rule
+    rule_free = {"probe/p_wasted_rl": 0.36, "probe/p_wasted_other": 0.33, "probe/p_wasted_corpus": float("nan")}
+    ok, line = premise_check(rule_free, None, 0.1)
+    assert ok and "premise holds" in line and "0.36 on the RL game's wasted numbers" in line and "gap 0.03" in line
+    ok, line = premise_check(dict(rule_free, **{"probe/p_wasted_rl": 0.6}), None, 0.1)
+    assert not ok and "premise failed" in line and "gap 0.27, allowed <= 0.1" in line
+    ok, line = premise_check({"probe/p_wasted_other": 0.3}, None, 0.1)
+    assert not ok and "no knowledge-probe metrics (premise_max_rl_gap=0.1)" in line
+    # both premises: both must hold
+    both = {"probe/p_wasted_rl": 0.2, "probe/p_wasted_other": 0.1, "probe/p_wasted_corpus": 0.9}
+    assert premise_check(both, 0.5, 0.2)[0] and not premise_check(both, 0.5, 0.05)[0]
+    assert not premise_check(both, 0.9, 0.2)[0]
 
 
 @pytest.mark.slow

@@ -42,6 +42,9 @@ class UnitScaleConfig:
       must exceed its P(wasted) on numbers no rule wastes by at least this much (probe/p_wasted_corpus -
       probe/p_wasted_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic that
       never held the corpus's knowledge) and the table says so. None: no check.
+    premise_max_rl_gap: the opposite premise, for a rule-free corpus: the warm-start successor must NOT already
+      know the RL game's rule (probe/p_wasted_rl - probe/p_wasted_other <= this), so whatever the arms' critics
+      know of it came from real transitions. Same consequences; None: no check.
     """
 
     arms: tuple = ARMS
@@ -62,6 +65,7 @@ class UnitScaleConfig:
     warm_bucket_multiple: int | None = 32
     warm_start_per_seed: bool = False
     premise_min_gap: float | None = None
+    premise_max_rl_gap: float | None = None
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

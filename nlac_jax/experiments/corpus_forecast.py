@@ -24,7 +24,7 @@ Summary format (outcome FIRST: the critic metrics score P(success | s, a) as the
 against "Outcome: failure" right after the successor prompt)::
 
     Outcome: failure; Return: 0
-    Reply: no answer. Next 17: higher. Then 3 more.
+    Reply: no answer.
 
 Nothing is invented: every future is played by the real ``GuessNumberEnv``; examples come from TRAIN tasks only.
 """
@@ -34,13 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 from typing import Optional, Sequence
 
 import gin
 import numpy as np
 
 from nlac_jax.envs.base import Task, TaskCursor
-from nlac_jax.envs.toy import WASTED_REPLY, GuessNumberEnv, GuessNumberTaskSource, parse_guess
+from nlac_jax.envs.toy import WASTED_REPLY, GuessNumberEnv, GuessNumberTaskSource, is_wasted, parse_guess
 from nlac_jax.envs.transition import Transition
 from nlac_jax.experiments.corpus import CorpusExample, consistent_interval, play_episode
 from nlac_jax.nlac.prompts import PromptSet, render_transcript
@@ -61,10 +62,15 @@ __all__ = [
     "reference_success_rates",
     "waste_probe",
     "waste_probabilities",
+    "named_guess",
+    "skill_probe",
 ]
 
 PROMPT_SET = "toy_forecast"
-DETAIL_GUESSES = 1  # "Next <g>: <reply>" items after the first reply; the rest is "Then k more."
+# "Next <g>: <reply>" items after the first reply. 0: the forecast is the outcome line and the guess's own reply,
+# the two things the critic is read for; each item more is a number and a reply the backup must copy from the
+# middle of its prompt, which the 1.1M-parameter warm start did not learn in 800 steps (README, "Does NLAC learn?")
+DETAIL_GUESSES = 0
 _NON_NUMBERS = ("higher", "I am not sure.", "my guess", "?")
 
 
@@ -119,7 +125,7 @@ def _observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[st
 def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target for (s_t, a_t) from the real transitions a_t .. the end of the episode: the prompt set's
     terminal summary for a terminal step (exactly as ``targets.build_critic_examples`` builds it), else
-    ``Outcome: ...; Return: ...`` then ``Reply: <r>. Next <g>: <r>. Then k more.``"""
+    ``Outcome: ...; Return: ...`` then ``Reply: <r>.`` (and ``Next <g>: <r>.`` per ``DETAIL_GUESSES``)."""
     cfg = cfg or TargetConfig()
     if not future or not future[-1].done:
         raise ValueError("forecast needs a finished episode (its last transition terminal)")
@@ -131,11 +137,8 @@ def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetCo
                                    obs if cfg.terminal_include_observation else None)
         return truncate_summary(text, cfg.max_summary_chars)
     parts = [f"Reply: {reply_word(first)}."]
-    rest = list(future[1:])
-    for t in rest[:DETAIL_GUESSES]:
+    for t in list(future[1:])[:DETAIL_GUESSES]:
         parts.append(f"Next {_short(t.action)}: {reply_word(t)}.")
-    if len(rest) > DETAIL_GUESSES:
-        parts.append(f"Then {len(rest) - DETAIL_GUESSES} more.")
     ret = sum(float(t.reward) for t in future)
     return truncate_summary(outcome_line(bool(future[-1].success), ret) + "\n" + " ".join(parts),
                             cfg.max_summary_chars)
@@ -226,11 +229,15 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                             corpus_waste_every: int = 2, skill_waste_p: float = 0.35, jitter: float = 0.25,
                             max_turns: Optional[int] = None, p_non_number: float = 0.02,
                             prompts: Optional[PromptSet] = None,
-                            target_cfg: Optional[TargetConfig] = None) -> list[CorpusExample]:
+                            target_cfg: Optional[TargetConfig] = None,
+                            corpus_waste_p: Optional[float] = None) -> list[CorpusExample]:
     """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
 
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
       successor examples for the taken action and one alternative (its future played out counterfactually).
+    corpus_waste_p: None, or the corpus game holds NO rule: each corpus-game episode wastes its own random set
+      (every number with this probability; ``corpus_waste_every`` is then unused), so the successor learns the
+      forecast format and the base rate of "no answer", and no knowledge of which numbers are wasted.
     skill_episodes: skill-game episodes (each wastes its own random set, every number with ``skill_waste_p``): per
       step backup examples (non-terminal steps) and evaluator + refiner examples for the taken action and one
       alternative (its future played out counterfactually), judged from the real future's forecast.
@@ -238,9 +245,13 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
     cfg = target_cfg or TargetConfig()
     out: list[CorpusExample] = []
-    corpus_env = _env(n, max_turns, corpus_waste_every)
+    fixed_env = _env(n, max_turns, corpus_waste_every)
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-corpus", seed).take(max(episodes, 0))):
         rng = random.Random(f"toy-forecast-corpus:{seed}:{ep}")
+        corpus_env = fixed_env
+        if corpus_waste_p is not None:  # a rule-free corpus game: this episode's own random waste set
+            wrng = random.Random(f"toy-forecast-corpus-waste:{seed}:{ep}")
+            corpus_env = _env(n, max_turns, 0, [x for x in range(1, n + 1) if wrng.random() < corpus_waste_p])
         traj = play_episode(corpus_env, task, _chooser(n, rng, jitter))
         actions = [tr.action for tr in traj]
         for t, tr in enumerate(traj):
@@ -288,22 +299,28 @@ def _train_tasks(n: int, task_source: Optional[GuessNumberTaskSource]) -> list[T
 @gin.configurable(module="experiments", denylist=["n", "episodes", "seed", "task_source"])
 def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200, corpus_waste_every: int = 2,
                     skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
-                    task_source: Optional[GuessNumberTaskSource] = None) -> list[CorpusExample]:
+                    task_source: Optional[GuessNumberTaskSource] = None,
+                    corpus_waste_p: Optional[float] = None) -> list[CorpusExample]:
     """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
     no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
     return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
                                    corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
-                                   jitter=jitter, max_turns=max_turns)
+                                   jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p)
 
 
 def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,
-                            max_turns: Optional[int] = None, episodes_per_task: int = 8) -> dict:
-    """Scripted references in a game that wastes multiples of ``waste_every``: the behaviour policy (waste-blind),
-    the behaviour with the corpus's refinement rule applied by a critic that knows the true rule ("oracle
-    refiner": a wasted guess moves to its neighbour), and the same with the corpus rule (evens) instead."""
-    env = _env(n, max_turns, waste_every)
+                            max_turns: Optional[int] = None, episodes_per_task: int = 8,
+                            wasted_numbers: Sequence[int] = (), corpus_waste_every: int = 2) -> dict:
+    """Scripted references in a game that wastes multiples of ``waste_every`` and ``wasted_numbers``: the behaviour
+    policy (waste-blind), the behaviour with the corpus's refinement rule applied by a critic that knows the true
+    rule ("oracle refiner": a wasted guess moves to its neighbour), and the same with the corpus rule (multiples of
+    ``corpus_waste_every``; 0: the corpus game holds no rule, and this reference is left out) instead."""
+    env = _env(n, max_turns, waste_every, wasted_numbers)
     out = {}
-    for name, rule in (("behaviour", None), ("oracle_refiner", waste_every), ("corpus_rule_refiner", 2)):
+    refiners = [("behaviour", None), ("oracle_refiner", env.wasted)]
+    if corpus_waste_every:
+        refiners.append(("corpus_rule_refiner", lambda g: is_wasted(g, corpus_waste_every)))
+    for name, rule in refiners:
         wins = 0
         for i, task in enumerate(tasks):
             for j in range(episodes_per_task):
@@ -311,7 +328,7 @@ def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, see
 
                 def act(h, rng=rng, rule=rule):
                     a = jitter_action(h, n, rng, jitter)
-                    if rule is None or int(a) % rule:
+                    if rule is None or not rule(int(a)):
                         return a
                     return critique(h, a, f"Reply: {WASTED_REPLY}.", n)[2]
                 wins += bool(play_episode(env, task, act)[-1].success)
@@ -322,7 +339,7 @@ def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, see
 
 def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_waste_every: int = 2,
                 samples: int = 1, max_turns: Optional[int] = None, params: str = "policy",
-                greedy: bool = True) -> dict:
+                greedy: bool = True, wasted_numbers: Sequence[int] = ()) -> dict:
     """What the critic KNOWS about the waste rule: for every first guess g in 1..n (the game's opening state),
     ``samples`` forecasts of the successor, and the fraction whose reply is "no answer".
 
@@ -330,14 +347,19 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
       parameters: a change between two evaluations is a change of the critic, not sampling noise (4 samples at
       T = 1 over 32 numbers moved by +-0.1 with fixed parameters). False: the sampler's own settings.
 
-    Returns probe/wasted_said_rl (mean over the RL game's wasted numbers, multiples of ``waste_every``),
-    probe/wasted_said_corpus (over numbers only the corpus rule wastes), probe/wasted_said_other (over numbers
-    neither rule wastes) and probe/knowledge_accuracy (over all g: the majority forecast agrees with the RL rule).
-    A warm start reads high on _corpus and low on _rl; a critic that learned the RL game reads the opposite.
+    Returns probe/wasted_said_rl (mean over the RL game's wasted numbers: multiples of ``waste_every`` and
+    ``wasted_numbers``), probe/wasted_said_corpus (over numbers only the corpus rule, multiples of
+    ``corpus_waste_every``, wastes; NaN when the corpus holds no rule, ``corpus_waste_every = 0``),
+    probe/wasted_said_other (over numbers neither rule wastes), probe/knowledge_accuracy (over all g: the majority
+    forecast agrees with the RL rule), and the scored probabilities probe/p_wasted_{rl,corpus,other} over the same
+    groups. A critic that learned the RL game reads high on _rl and low on _other; a rule-free warm start reads
+    the same base rate on both.
     """
     from nlac_jax.roles import check_samples, group
     env = _env(n, max_turns)
     state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
+    rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
+    corpus_wasted = _env(n, max_turns, corpus_waste_every).wasted
     guesses = list(range(1, n + 1))
     settings = None
     if greedy and getattr(sampler, "settings", None) is not None:
@@ -351,17 +373,67 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     def mean(xs):
         xs = list(xs)
         return sum(xs) / len(xs) if xs else float("nan")
-    rl = [g for g in guesses if g % waste_every == 0]
-    corpus = [g for g in guesses if g % corpus_waste_every == 0 and g % waste_every]
-    other = [g for g in guesses if g % corpus_waste_every and g % waste_every]
+    rl = [g for g in guesses if rl_wasted(g)]
+    corpus = [g for g in guesses if corpus_wasted(g) and not rl_wasted(g)]
+    other = [g for g in guesses if not corpus_wasted(g) and not rl_wasted(g)]
     p = waste_probabilities(sampler, prompts, state, guesses, params)
     return {"probe/wasted_said_rl": mean(said[g] for g in rl),
             "probe/wasted_said_corpus": mean(said[g] for g in corpus),
             "probe/wasted_said_other": mean(said[g] for g in other),
-            "probe/knowledge_accuracy": mean((said[g] > 0.5) == (g % waste_every == 0) for g in guesses),
+            "probe/knowledge_accuracy": mean((said[g] > 0.5) == rl_wasted(g) for g in guesses),
             "probe/p_wasted_rl": mean(p[g] for g in rl),
             "probe/p_wasted_corpus": mean(p[g] for g in corpus),
             "probe/p_wasted_other": mean(p[g] for g in other)}
+
+
+SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
+_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number)")
+
+
+def named_guess(critique_text: str) -> Optional[str]:
+    """The guess a toy_forecast critique names ("... Guess 15 is wasted: ..." -> "15"); None if it names none."""
+    m = _NAMED_GUESS.search(critique_text or "")
+    return m.group(1) if m else None
+
+
+def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: int = 48,
+                params: str = "policy") -> dict:
+    """What the critic roles CAN DO, independent of any waste rule: greedy outputs on ``per_role`` fresh skill-game
+    examples (corpus seed ``seed``: other episodes than any warm start's) of each of :data:`SKILL_ROLES`, against
+    the scripted targets. In a skill game the waste set is random, so only reading the prompt gets these right.
+
+    Returns skill/backup_reply (the backup's forecast gives the REAL reply of its prompt), skill/backup_outcome
+    (its first line is the target's Bellman line), skill/evaluator_guess (the critique names the guess under
+    judgment), skill/evaluator_verdict (the verdict follows the forecast's reply), skill/evaluator_exact, and
+    skill/refiner (the refiner plays the guess the critique names)."""
+    from nlac_jax.roles import check_samples
+    ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts)
+    rng = random.Random(f"toy-forecast-skill-probe:{seed}")
+    greedy = None
+    if getattr(sampler, "settings", None) is not None:
+        greedy = dataclasses.replace(sampler.settings,
+                                     temperatures={**sampler.settings.temperatures, **{r: 0.0 for r in SKILL_ROLES}})
+    got: dict = {}
+    for role in SKILL_ROLES:
+        pool = [e for e in ex if e.role == role]
+        xs = rng.sample(pool, min(per_role, len(pool)))
+        outs = [c.text.strip() for c in check_samples(
+            sampler.sample([e.prompt_messages for e in xs], params, role, settings=greedy), len(xs), role)]
+        pairs = list(zip(outs, [e.target_text.strip() for e in xs], xs))
+
+        def frac(pred):
+            return sum(bool(pred(o, t, e)) for o, t, e in pairs) / max(1, len(pairs))
+        if role == "backup":
+            got["skill/backup_reply"] = frac(lambda o, t, e: forecast_reply(o) == forecast_reply(t))
+            got["skill/backup_outcome"] = frac(lambda o, t, e: o.split("\n")[0] == t.split("\n")[0])
+        elif role == "evaluator":
+            got["skill/evaluator_guess"] = frac(lambda o, t, e: named_guess(o) is not None
+                                                and named_guess(o) == named_guess(t))
+            got["skill/evaluator_verdict"] = frac(lambda o, t, e: o.split("\n")[-1] == t.split("\n")[-1])
+            got["skill/evaluator_exact"] = frac(lambda o, t, e: o == t)
+        else:
+            got["skill/refiner"] = frac(lambda o, t, e: o == t)
+    return got
 
 
 PROBE_REPLIES = ("no answer", "higher", "lower", "correct", "error")  # every first reply a forecast can give

@@ -129,12 +129,25 @@ def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> Non
 
 
 def probe(run, xcfg) -> dict:
-    """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`); {} for other corpora."""
-    if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "waste_every", 0):
+    """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`: what the successor knows of
+    the waste rule) and skill probe (`corpus_forecast.skill_probe`: whether the backup, evaluator and refiner copy
+    and read what they must); {} for other corpora."""
+    if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "has_waste", False):
         return {}
     from nlac_jax.experiments import corpus_forecast
-    corpus_waste = gin.get_bindings(corpus_forecast.forecast_corpus).get("corpus_waste_every", 2)
-    return corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, run.judge_env.waste_every, corpus_waste)
+    env = run.judge_env
+    out = corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, env.waste_every, corpus_rule(),
+                                      wasted_numbers=sorted(env.wasted_numbers))
+    out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n))
+    return out
+
+
+def corpus_rule() -> int:
+    """The learned-critic corpus game's waste rule (multiples of this; 0 = a rule-free corpus game, whose
+    episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`)."""
+    from nlac_jax.experiments import corpus_forecast
+    b = gin.get_bindings(corpus_forecast.forecast_corpus)
+    return 0 if b.get("corpus_waste_p") is not None else int(b.get("corpus_waste_every", 2))
 
 
 def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_eval: dict) -> list[dict]:
@@ -172,8 +185,11 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
               ("eval/calib/return_mae", "calibration MAE"),
-              ("probe/wasted_said_rl", "forecasts 'no answer': RL-wasted guesses"),
-              ("probe/wasted_said_corpus", "forecasts 'no answer': corpus-only-wasted guesses"))
+              ("probe/p_wasted_rl", "P(wasted): RL-wasted guesses"),
+              ("probe/p_wasted_other", "P(wasted): guesses no rule wastes"),
+              ("probe/p_wasted_corpus", "P(wasted): corpus-only-wasted guesses"),
+              ("skill/backup_reply", "backup copies the real reply"),
+              ("skill/evaluator_guess", "critique names the guess"))
 
 
 def _final(rows: list[dict], key: str) -> float:
@@ -245,8 +261,8 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
                                  ("eval/mean_return", "held-out return"))),
         ("critic_curves.png", (("eval/critic_auc", "critic AUC of scored P(success)"),
                                ("eval/critic_brier", "critic Brier score of P(success)"),
-                               ("probe/wasted_said_rl", "forecasts 'no answer' for RL-wasted guesses"),
-                               ("probe/wasted_said_corpus", "forecasts 'no answer' for corpus-only-wasted"),
+                               ("probe/p_wasted_rl", "successor P(wasted): RL-wasted guesses"),
+                               ("probe/p_wasted_other", "successor P(wasted): guesses no rule wastes"),
                                ("eval/calib/return_mae", "calibration MAE (return-to-go)"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
@@ -264,23 +280,39 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def premise_check(initial: dict, min_gap: float | None) -> tuple[bool, str]:
-    """(passed, one line) for a warm start's probe metrics against ``UnitScaleConfig.premise_min_gap``: the gap
-    probe/p_wasted_corpus - probe/p_wasted_other (the scored probabilities; the greedy readouts
-    probe/wasted_said_* when those are absent) must be >= min_gap (None: always passes). A warm start without the
-    probe's metrics fails a check that was asked for."""
-    if min_gap is None:
+def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None = None) -> tuple[bool, str]:
+    """(passed, one line) for a warm start's probe metrics (the scored probabilities probe/p_wasted_*; the greedy
+    readouts probe/wasted_said_* when those are absent). Two premises, each checked when its bound is not None:
+
+    min_gap (`UnitScaleConfig.premise_min_gap`): the warm start HOLDS the corpus rule's knowledge:
+      _corpus - _other >= min_gap.
+    max_rl_gap (`UnitScaleConfig.premise_max_rl_gap`): the warm start does NOT already know the RL game's rule:
+      _rl - _other <= max_rl_gap (what L1 must learn from real transitions is not in the warm start).
+    Both None: always passes. A warm start without the probe's metrics fails a check that was asked for."""
+    if min_gap is None and max_rl_gap is None:
         return True, "no premise check"
     # the scored probability when the probe has it (no sampling, not the mode), else the greedy readout
-    kind = "p_wasted" if "probe/p_wasted_corpus" in initial else "wasted_said"
-    corpus, other = initial.get(f"probe/{kind}_corpus"), initial.get(f"probe/{kind}_other")
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (corpus, other)):
-        return False, f"premise failed: the warm start has no knowledge-probe metrics (premise_min_gap={min_gap})"
-    gap = corpus - other
-    verdict = "holds" if gap >= min_gap else "failed"
+    kind = "p_wasted" if "probe/p_wasted_other" in initial else "wasted_said"
     how = "gives P(wasted)" if kind == "p_wasted" else "says 'wasted' for"
-    return gap >= min_gap, (f"premise {verdict}: the warm-start successor {how} {corpus:.2f} on the corpus rule's "
-                            f"numbers and {other:.2f} on the others (gap {gap:.2f}, needed >= {min_gap:g})")
+    vals = {g: initial.get(f"probe/{kind}_{g}") for g in ("corpus", "other", "rl")}
+    needed = ["other"] + (["corpus"] if min_gap is not None else []) + (["rl"] if max_rl_gap is not None else [])
+    if not all(isinstance(vals[g], (int, float)) and math.isfinite(vals[g]) for g in needed):
+        asked = ", ".join(f"{k}={v:g}" for k, v in (("premise_min_gap", min_gap), ("premise_max_rl_gap", max_rl_gap))
+                          if v is not None)
+        return False, f"premise failed: the warm start has no knowledge-probe metrics ({asked})"
+    parts, ok = [], True
+    if min_gap is not None:
+        gap = vals["corpus"] - vals["other"]
+        ok &= gap >= min_gap
+        parts.append(f"the warm-start successor {how} {vals['corpus']:.2f} on the corpus rule's numbers and "
+                     f"{vals['other']:.2f} on the others (gap {gap:.2f}, needed >= {min_gap:g})")
+    if max_rl_gap is not None:
+        gap = vals["rl"] - vals["other"]
+        ok &= gap <= max_rl_gap
+        parts.append(f"the warm-start successor {how} {vals['rl']:.2f} on the RL game's wasted numbers and "
+                     f"{vals['other']:.2f} on the others (gap {gap:.2f}, allowed <= {max_rl_gap:g}: it must not "
+                     f"know the RL rule)")
+    return bool(ok), f"premise {'holds' if ok else 'failed'}: " + "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -340,9 +372,10 @@ def run_experiment(workdir: str) -> dict:
                 initial.update(probe(run, xcfg))
                 _progress(workdir, f"warm start seed {seed}: " + ", ".join(
                     f"{k} {v:.3f}" for k, v in sorted(initial.items())
-                    if isinstance(v, float) and (k.startswith("probe/") or k in _HEADLINE)))
-                if xcfg.premise_min_gap is not None and seed not in premise:
-                    premise[seed] = premise_check(initial, xcfg.premise_min_gap)
+                    if isinstance(v, float) and (k.startswith(("probe/", "skill/")) or k in _HEADLINE)))
+                checked = xcfg.premise_min_gap is not None or xcfg.premise_max_rl_gap is not None
+                if checked and seed not in premise:
+                    premise[seed] = premise_check(initial, xcfg.premise_min_gap, xcfg.premise_max_rl_gap)
                     with open(premise_file, "w") as f:
                         json.dump(list(premise[seed]), f)
                     _progress(workdir, f"seed {seed}: {premise[seed][1]}"
@@ -359,9 +392,9 @@ def run_experiment(workdir: str) -> dict:
                                f"(warm start {initial.get('eval/success_rate', math.nan):.3f}), {secs:.0f} s")
     tasks = run.eval_tasks
     if xcfg.corpus == "toy_forecast":
-        reference = corpus_forecast.reference_success_rates(xcfg.n, sorted({t.id: t for t in tasks}.values(),
-                                                                           key=lambda t: t.id),
-                                                            run.judge_env.waste_every, seed=0)
+        reference = corpus_forecast.reference_success_rates(
+            xcfg.n, sorted({t.id: t for t in tasks}.values(), key=lambda t: t.id), run.judge_env.waste_every, seed=0,
+            wasted_numbers=sorted(run.judge_env.wasted_numbers), corpus_waste_every=corpus_rule())
     else:
         reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
     table = results_table(results, seconds, reference)
