@@ -139,6 +139,10 @@ def test_waste_probe_by_hand():
         return math.log(a if continuation.endswith("\nReply: no answer.") else b)
     sampler = ScriptedRoleSampler({"successor": successor}, scores=scores)
     got = F.waste_probe(sampler, ps, 12, waste_every=3, samples=2)
+    gaps = {k: got.pop(k) for k in ("probe/p_gap_rl", "probe/p_gap_corpus")}
+    # RL rule (3, 6, 9, 12 wasted): (0.1 + 0.8 + 0.1 + 0.8) / 4 - (4 x 0.8 + 4 x 0.1) / 8 = 0.45 - 0.45 = 0;
+    # corpus rule (evens): 0.8 - 0.1
+    assert gaps == pytest.approx({"probe/p_gap_rl": 0.0, "probe/p_gap_corpus": 0.7})
     p = {k: got.pop(k) for k in ("probe/p_wasted_rl", "probe/p_wasted_corpus", "probe/p_wasted_other")}
     assert got == {"probe/wasted_said_rl": 0.5, "probe/wasted_said_corpus": 1.0, "probe/wasted_said_other": 0.0,
                    "probe/knowledge_accuracy": 0.5}
@@ -210,9 +214,10 @@ def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
     got = F.waste_probe(ScriptedRoleSampler({"successor": successor}, scores=scores), ps, 12, waste_every=0,
                         corpus_waste_every=0, wasted_numbers=(1, 3, 5, 7, 9, 11))
     assert math.isnan(got.pop("probe/wasted_said_corpus")) and math.isnan(got.pop("probe/p_wasted_corpus"))
+    assert math.isnan(got.pop("probe/p_gap_corpus"))  # a rule that wastes nothing has no gap
     assert got == pytest.approx({"probe/wasted_said_rl": 1.0, "probe/wasted_said_other": 0.0,
                                  "probe/knowledge_accuracy": 1.0, "probe/p_wasted_rl": 0.8,
-                                 "probe/p_wasted_other": 0.1})
+                                 "probe/p_wasted_other": 0.1, "probe/p_gap_rl": 0.7})
 
 
 def test_references_for_a_listed_rule(source):

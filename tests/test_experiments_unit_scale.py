@@ -126,30 +126,24 @@ def test_smoke_configuration_runs_every_arm_and_writes_the_outputs(tmp_path):
 
 def test_premise_check_by_hand():
     from nlac_jax.experiments.unit_scale import premise_check
-    probe = {"probe/wasted_said_corpus": 0.9, "probe/wasted_said_other": 0.3}
+    probe = {"probe/p_gap_corpus": 0.6, "probe/p_gap_rl": -0.6}
     assert premise_check(probe, None) == (True, "no premise check")
     ok, line = premise_check(probe, 0.5)
-    assert ok and "premise holds" in line and "says 'wasted' for 0.90" in line and "gap 0.60" in line
-    ok, line = premise_check({"probe/wasted_said_corpus": 0.55, "probe/wasted_said_other": 0.52}, 0.5)
-    assert not ok and "premise failed" in line and "0.55" in line and "0.52" in line and "gap 0.03" in line
-    # the scored probabilities decide when present
-    ok, line = premise_check(dict(probe, **{"probe/p_wasted_corpus": 0.4, "probe/p_wasted_other": 0.3}), 0.5)
-    assert not ok and "gives P(wasted) 0.40" in line and "gap 0.10" in line
+    assert ok and line == ("premise holds: the warm-start successor's P(wasted) is +0.60 higher on the numbers the "
+                           "corpus rule wastes than on those it spares (needed >= 0.5)")
+    ok, line = premise_check({"probe/p_gap_corpus": 0.03}, 0.5)
+    assert not ok and line.startswith("premise failed:") and "+0.03 higher" in line
     ok, line = premise_check({"eval/success_rate": 0.3}, 0.5)  # no probe metrics: an asked-for check fails
-    assert not ok and "no knowledge-probe metrics" in line
-    assert not premise_check({"probe/wasted_said_corpus": float("nan"), "probe/wasted_said_other": 0.0}, 0.0)[0]
-    # the rule-free premise: the warm start must NOT know the RL game's rule
-    rule_free = {"probe/p_wasted_rl": 0.36, "probe/p_wasted_other": 0.33, "probe/p_wasted_corpus": float("nan")}
-    ok, line = premise_check(rule_free, None, 0.1)
-    assert ok and "premise holds" in line and "0.36 on the RL game's wasted numbers" in line and "gap 0.03" in line
-    ok, line = premise_check(dict(rule_free, **{"probe/p_wasted_rl": 0.6}), None, 0.1)
-    assert not ok and "premise failed" in line and "gap 0.27, allowed <= 0.1" in line
-    ok, line = premise_check({"probe/p_wasted_other": 0.3}, None, 0.1)
-    assert not ok and "no knowledge-probe metrics (premise_max_rl_gap=0.1)" in line
+    assert not ok and "no knowledge-probe metrics (premise_min_gap=0.5)" in line
+    assert not premise_check({"probe/p_gap_corpus": float("nan")}, 0.0)[0]
+    # the other premise: the warm start must NOT know the RL game's rule
+    ok, line = premise_check({"probe/p_gap_rl": 0.03}, None, 0.1)
+    assert ok and "+0.03 higher on the numbers the RL game wastes" in line and "allowed <= 0.1" in line
+    assert not premise_check({"probe/p_gap_rl": 0.27}, None, 0.1)[0]
+    assert "(premise_max_rl_gap=0.1)" in premise_check({"probe/p_gap_corpus": 0.9}, None, 0.1)[1]
     # both premises: both must hold
-    both = {"probe/p_wasted_rl": 0.2, "probe/p_wasted_other": 0.1, "probe/p_wasted_corpus": 0.9}
-    assert premise_check(both, 0.5, 0.2)[0] and not premise_check(both, 0.5, 0.05)[0]
-    assert not premise_check(both, 0.9, 0.2)[0]
+    assert premise_check(probe, 0.5, 0.1)[0]
+    assert not premise_check(probe, 0.7, 0.1)[0] and not premise_check(probe, 0.5, -0.9)[0]
 
 
 @pytest.mark.slow
@@ -220,10 +214,49 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
         weights.append(load_file(os.path.join(d, st)))
     assert any(not np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not os.path.isdir(os.path.join(workdir, "warm_start"))
-    assert "GuessNumberEnv.waste_every = 3" in open(os.path.join(workdir, "config.gin")).read()
+    config = open(os.path.join(workdir, "config.gin")).read()
+    assert "GuessNumberEnv.wasted_numbers = (1, 3, 5, 7, 9, 11," in config, config  # the RL game's rule: odds
+    assert "forecast_corpus.corpus_waste_every = 2" in config  # the corpus's: evens
     table = open(os.path.join(workdir, "results.md")).read()
     assert "oracle_refiner" in table and "corpus_rule_refiner" in table
     for arm in ("warm_start", "nlac"):
         assert f"| {arm} | 2 |" in table, table
         rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_1", "metrics.jsonl"))]
-        assert all("probe/knowledge_accuracy" in r for r in rows if "eval/success_rate" in r), rows
+        assert all("probe/knowledge_accuracy" in r and "probe/p_gap_rl" in r and "skill/evaluator_guess" in r
+                   for r in rows if "eval/success_rate" in r), rows
+
+
+def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
+    """SkillRehearsal: the wrapped arm's examples unchanged and first, then per_iteration pool examples drawn from
+    (seed, iteration) alone (the arm's RNG is untouched, so the arm decides the same with or without it); the wrapped
+    arm's other attributes pass through. The seed's pool holds only rule-free skill-game examples."""
+    class Inner:
+        name = "inner"
+
+        def examples(self, run, it, episodes, transitions, rng, metrics):
+            return [f"arm{it}-{rng.integers(1000)}"], "dump"
+    pool = [f"skill{i}" for i in range(50)]
+    wrapped = arms.SkillRehearsal(Inner(), pool, 5, seed=3)
+    m = {}
+    ex, dump = wrapped.examples(None, 2, [], [], np.random.default_rng(0), m)
+    plain, _ = Inner().examples(None, 2, [], [], np.random.default_rng(0), {})
+    assert ex[:1] == plain and dump == "dump" and len(ex) == 6 and set(ex[1:]) <= set(pool)
+    assert m["rehearsal/examples"] == 5 and wrapped.name == "inner"
+    again, _ = arms.SkillRehearsal(Inner(), pool, 5, seed=3).examples(None, 2, [], [], np.random.default_rng(9), {})
+    assert again[1:] == ex[1:]  # same (seed, iteration): same draw, whatever the arm's RNG
+    other, _ = wrapped.examples(None, 3, [], [], np.random.default_rng(0), {})
+    assert other[1:] != ex[1:]
+    assert arms.SkillRehearsal(Inner(), pool, 0).examples(None, 0, [], [], np.random.default_rng(0), {})[0] == \
+        Inner().examples(None, 0, [], [], np.random.default_rng(0), {})[0]
+    with pytest.raises(ValueError, match="non-empty pool"):
+        arms.SkillRehearsal(Inner(), [], 2)
+
+    from nlac_jax.experiments import corpus_forecast
+    from nlac_jax.experiments.config import UnitScaleConfig
+    from nlac_jax.experiments.unit_scale import rehearsal_pool
+    xcfg = UnitScaleConfig(corpus="toy_forecast", n=8, corpus_episodes=4)
+    got = rehearsal_pool(xcfg, 0)
+    assert got and {e.role for e in got} == set(corpus_forecast.SKILL_ROLES)
+    assert {e.meta["game"] for e in got} == {"skill"}
+    with pytest.raises(ValueError, match="needs corpus = 'toy_forecast'"):
+        rehearsal_pool(UnitScaleConfig(corpus="toy"), 0)

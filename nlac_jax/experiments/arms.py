@@ -56,7 +56,7 @@ from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.roles import check_samples, group
 
 __all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRPO", "NLQL", "SelfDistillation",
-           "future_renderer", "make_learner", "group_advantages"]
+           "SkillRehearsal", "future_renderer", "make_learner", "group_advantages"]
 
 # the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
 ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
@@ -395,3 +395,32 @@ def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
     if arm == "rft":
         return RFT(policy_examples=budget)
     return GRPO(group_size=group_size, max_examples=budget)
+
+
+class SkillRehearsal:
+    """Any arm's learner, plus ``per_iteration`` examples drawn each iteration from a fixed ``pool`` of skill examples
+    (the learned-critic experiment: the corpus's backup, evaluator and refiner examples of its skill games, whose
+    waste sets are random, so they hold no rule of any game). Every trained arm gets the same number, so budgets
+    stay equal. Why: on one 1M-parameter network, the steps L1 needs to re-learn the critic's knowledge erase the
+    copying skills the other roles need (README, "Does NLAC learn?"); rehearsal keeps the skills without teaching
+    anything about the RL game. The draw uses its own stream (``seed``, iteration), not the arm's RNG, so an arm's
+    own choices are the same with or without it."""
+
+    def __init__(self, inner: Any, pool: Sequence, per_iteration: int, seed: int = 0):
+        if per_iteration < 0:
+            raise ValueError(f"per_iteration must be >= 0, got {per_iteration}")
+        if per_iteration and not pool:
+            raise ValueError("SkillRehearsal needs a non-empty pool")
+        self.inner, self.pool, self.per_iteration, self.seed = inner, list(pool), int(per_iteration), int(seed)
+
+    def __getattr__(self, name: str):  # take_tasks, routing, name, ...: the wrapped arm's
+        return getattr(self.inner, name)
+
+    def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict
+                 ) -> tuple[list, str]:
+        """The wrapped arm's examples, then ``per_iteration`` rehearsal examples (with replacement)."""
+        ex, dump = self.inner.examples(run, it, episodes, transitions, rng, metrics)
+        pick = np.random.default_rng([self.seed, it, 7]).choice(len(self.pool), self.per_iteration) \
+            if self.per_iteration else []
+        metrics["rehearsal/examples"] = len(pick)
+        return list(ex) + [self.pool[i] for i in pick], dump

@@ -43,8 +43,10 @@ class UnitScaleConfig:
       probe/p_wasted_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic that
       never held the corpus's knowledge) and the table says so. None: no check.
     premise_max_rl_gap: the opposite premise, for a rule-free corpus: the warm-start successor must NOT already
-      know the RL game's rule (probe/p_wasted_rl - probe/p_wasted_other <= this), so whatever the arms' critics
-      know of it came from real transitions. Same consequences; None: no check.
+      know the RL game's rule (probe/p_gap_rl <= this), so whatever the arms' critics know of it came from real
+      transitions. Same consequences; None: no check.
+    rehearsal_examples: per iteration, every trained arm also trains on this many skill examples of its seed's
+      corpus (`arms.SkillRehearsal`; the learned-critic corpus only; 0: none).
     """
 
     arms: tuple = ARMS
@@ -66,6 +68,7 @@ class UnitScaleConfig:
     warm_start_per_seed: bool = False
     premise_min_gap: float | None = None
     premise_max_rl_gap: float | None = None
+    rehearsal_examples: int = 0
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

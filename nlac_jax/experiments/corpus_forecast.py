@@ -352,8 +352,9 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     ``corpus_waste_every``, wastes; NaN when the corpus holds no rule, ``corpus_waste_every = 0``),
     probe/wasted_said_other (over numbers neither rule wastes), probe/knowledge_accuracy (over all g: the majority
     forecast agrees with the RL rule), and the scored probabilities probe/p_wasted_{rl,corpus,other} over the same
-    groups. A critic that learned the RL game reads high on _rl and low on _other; a rule-free warm start reads
-    the same base rate on both.
+    groups; probe/p_gap_rl and probe/p_gap_corpus: P(wasted) averaged over the numbers the RL (corpus) rule wastes
+    minus over the numbers it spares (NaN for a rule that wastes nothing). A critic that learned the RL game reads
+    high on _rl and low on _other; a rule-free warm start reads the same base rate on both.
     """
     from nlac_jax.roles import check_samples, group
     env = _env(n, max_turns)
@@ -383,7 +384,12 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
             "probe/knowledge_accuracy": mean((said[g] > 0.5) == rl_wasted(g) for g in guesses),
             "probe/p_wasted_rl": mean(p[g] for g in rl),
             "probe/p_wasted_corpus": mean(p[g] for g in corpus),
-            "probe/p_wasted_other": mean(p[g] for g in other)}
+            "probe/p_wasted_other": mean(p[g] for g in other),
+            # what the premise reads: P(wasted) on the numbers a rule wastes minus on the numbers it spares
+            "probe/p_gap_rl": mean(p[g] for g in guesses if rl_wasted(g)) - mean(
+                p[g] for g in guesses if not rl_wasted(g)),
+            "probe/p_gap_corpus": mean(p[g] for g in guesses if corpus_wasted(g)) - mean(
+                p[g] for g in guesses if not corpus_wasted(g))}
 
 
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading

@@ -128,6 +128,19 @@ def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> Non
     run.roles.seed = seed
 
 
+def rehearsal_pool(xcfg, seed: int) -> list:
+    """The skill examples every trained arm of seed ``seed`` rehearses (`UnitScaleConfig.rehearsal_examples`): the
+    backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste sets, no rule)."""
+    from nlac_jax.experiments import corpus_forecast
+    if xcfg.corpus != "toy_forecast":
+        raise ValueError("UnitScaleConfig.rehearsal_examples needs corpus = 'toy_forecast' (its skill games)")
+    offset = seed if xcfg.warm_start_per_seed else 0
+    examples, _ = corpus_examples(xcfg, xcfg.corpus_seed + offset)
+    pool = [e for e in examples if e.role in corpus_forecast.SKILL_ROLES and e.meta.get("game") == "skill"]
+    assert pool and all(e.meta["game"] == "skill" for e in pool)
+    return pool
+
+
 def probe(run, xcfg) -> dict:
     """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`: what the successor knows of
     the waste rule) and skill probe (`corpus_forecast.skill_probe`: whether the backup, evaluator and refiner copy
@@ -156,6 +169,8 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
     _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
     rows = [{"iteration": 0, **initial_eval}]
     learner = arms.make_learner(arm, run, group_size=xcfg.grpo_group_size)
+    if learner is not None and xcfg.rehearsal_examples:
+        learner = arms.SkillRehearsal(learner, rehearsal_pool(xcfg, seed), xcfg.rehearsal_examples, seed)
     if learner is not None:
         os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
         for it in range(xcfg.iterations):
@@ -281,37 +296,30 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
 
 
 def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None = None) -> tuple[bool, str]:
-    """(passed, one line) for a warm start's probe metrics (the scored probabilities probe/p_wasted_*; the greedy
-    readouts probe/wasted_said_* when those are absent). Two premises, each checked when its bound is not None:
+    """(passed, one line) for a warm start's knowledge probe (the scored gaps probe/p_gap_corpus and probe/p_gap_rl
+    of `corpus_forecast.waste_probe`: P(wasted) on the numbers a rule wastes minus on the numbers it spares). Two
+    premises, each checked when its bound is not None:
 
-    min_gap (`UnitScaleConfig.premise_min_gap`): the warm start HOLDS the corpus rule's knowledge:
-      _corpus - _other >= min_gap.
+    min_gap (`UnitScaleConfig.premise_min_gap`): the warm start HOLDS the corpus rule: p_gap_corpus >= min_gap.
     max_rl_gap (`UnitScaleConfig.premise_max_rl_gap`): the warm start does NOT already know the RL game's rule:
-      _rl - _other <= max_rl_gap (what L1 must learn from real transitions is not in the warm start).
+      p_gap_rl <= max_rl_gap (what L1 must learn from real transitions is not in the warm start).
     Both None: always passes. A warm start without the probe's metrics fails a check that was asked for."""
     if min_gap is None and max_rl_gap is None:
         return True, "no premise check"
-    # the scored probability when the probe has it (no sampling, not the mode), else the greedy readout
-    kind = "p_wasted" if "probe/p_wasted_other" in initial else "wasted_said"
-    how = "gives P(wasted)" if kind == "p_wasted" else "says 'wasted' for"
-    vals = {g: initial.get(f"probe/{kind}_{g}") for g in ("corpus", "other", "rl")}
-    needed = ["other"] + (["corpus"] if min_gap is not None else []) + (["rl"] if max_rl_gap is not None else [])
-    if not all(isinstance(vals[g], (int, float)) and math.isfinite(vals[g]) for g in needed):
-        asked = ", ".join(f"{k}={v:g}" for k, v in (("premise_min_gap", min_gap), ("premise_max_rl_gap", max_rl_gap))
-                          if v is not None)
+    checks = [(k, b) for k, b in (("corpus", min_gap), ("rl", max_rl_gap)) if b is not None]
+    vals = {k: initial.get(f"probe/p_gap_{k}") for k, _ in checks}
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals.values()):
+        asked = ", ".join(f"premise_{'min_gap' if k == 'corpus' else 'max_rl_gap'}={b:g}" for k, b in checks)
         return False, f"premise failed: the warm start has no knowledge-probe metrics ({asked})"
     parts, ok = [], True
     if min_gap is not None:
-        gap = vals["corpus"] - vals["other"]
-        ok &= gap >= min_gap
-        parts.append(f"the warm-start successor {how} {vals['corpus']:.2f} on the corpus rule's numbers and "
-                     f"{vals['other']:.2f} on the others (gap {gap:.2f}, needed >= {min_gap:g})")
+        ok &= vals["corpus"] >= min_gap
+        parts.append(f"the warm-start successor's P(wasted) is {vals['corpus']:+.2f} higher on the numbers the corpus "
+                     f"rule wastes than on those it spares (needed >= {min_gap:g})")
     if max_rl_gap is not None:
-        gap = vals["rl"] - vals["other"]
-        ok &= gap <= max_rl_gap
-        parts.append(f"the warm-start successor {how} {vals['rl']:.2f} on the RL game's wasted numbers and "
-                     f"{vals['other']:.2f} on the others (gap {gap:.2f}, allowed <= {max_rl_gap:g}: it must not "
-                     f"know the RL rule)")
+        ok &= vals["rl"] <= max_rl_gap
+        parts.append(f"{vals['rl']:+.2f} higher on the numbers the RL game wastes than on those it spares (allowed "
+                     f"<= {max_rl_gap:g}: it must not know the RL rule)")
     return bool(ok), f"premise {'holds' if ok else 'failed'}: " + "; ".join(parts)
 
 
