@@ -214,7 +214,7 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
         weights.append(load_file(os.path.join(d, st)))
     assert any(not np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not os.path.isdir(os.path.join(workdir, "warm_start"))
-    config = open(os.path.join(workdir, "config.gin")).read()
+    config = " ".join(open(os.path.join(workdir, "config.gin")).read().replace("\\\n", " ").split())
     assert "GuessNumberEnv.wasted_numbers = (1, 3, 5, 7, 9, 11," in config, config  # the RL game's rule: odds
     assert "forecast_corpus.corpus_waste_every = 2" in config  # the corpus's: evens
     table = open(os.path.join(workdir, "results.md")).read()
