@@ -38,13 +38,13 @@ class UnitScaleConfig:
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
     premise_min_gap: the learned-critic experiment's premise, checked on each seed's warm start before its arms
-      run (`unit_scale.premise_check`): the warm-start successor's scored P(wasted) on the corpus rule's numbers
-      must exceed its P(wasted) on numbers no rule wastes by at least this much (probe/p_wasted_corpus -
-      probe/p_wasted_other). A seed whose warm start fails runs no arm (hours of arms cannot test a critic that
-      never held the corpus's knowledge) and the table says so. None: no check.
-    premise_max_rl_gap: the opposite premise, for a rule-free corpus: the warm-start successor must NOT already
-      know the RL game's rule (probe/p_gap_rl <= this), so whatever the arms' critics know of it came from real
-      transitions. Same consequences; None: no check.
+      run (`unit_scale.premise_check`): the warm-start successor's scored P(wasted) on the numbers the corpus rule
+      wastes must exceed that on the numbers it spares by at least this much (probe/p_gap_corpus). A seed whose
+      warm start fails runs no arm (hours of arms cannot test a critic that never held the corpus's knowledge) and
+      the table says so. None: no check.
+    premise_max_rl_gap: the other premise: the warm-start successor must NOT already know the RL game's rule
+      (probe/p_gap_rl <= this), so whatever the arms' critics know of it came from real transitions. Same
+      consequences; None: no check.
     rehearsal_examples: per iteration, every trained arm also trains on this many skill examples of its seed's
       corpus (`arms.SkillRehearsal`; the learned-critic corpus only; 0: none).
     """

@@ -200,9 +200,8 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
               ("eval/calib/return_mae", "calibration MAE"),
-              ("probe/p_wasted_rl", "P(wasted): RL-wasted guesses"),
-              ("probe/p_wasted_other", "P(wasted): guesses no rule wastes"),
-              ("probe/p_wasted_corpus", "P(wasted): corpus-only-wasted guesses"),
+              ("probe/p_gap_rl", "P(wasted) gap, RL rule (+1 knows it)"),
+              ("probe/p_gap_corpus", "P(wasted) gap, corpus rule"),
               ("skill/backup_reply", "backup copies the real reply"),
               ("skill/evaluator_guess", "critique names the guess"))
 
@@ -276,8 +275,8 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
                                  ("eval/mean_return", "held-out return"))),
         ("critic_curves.png", (("eval/critic_auc", "critic AUC of scored P(success)"),
                                ("eval/critic_brier", "critic Brier score of P(success)"),
-                               ("probe/p_wasted_rl", "successor P(wasted): RL-wasted guesses"),
-                               ("probe/p_wasted_other", "successor P(wasted): guesses no rule wastes"),
+                               ("probe/p_gap_rl", "P(wasted) on RL-wasted minus spared guesses"),
+                               ("skill/evaluator_guess", "skill: the critique names the guess"),
                                ("eval/calib/return_mae", "calibration MAE (return-to-go)"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
