@@ -469,27 +469,38 @@ def waste_probabilities(sampler, prompts: PromptSet, state: list, guesses: Seque
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m nlac_jax.experiments.corpus_forecast WARM_DIR [--n 32 --waste_every 3]``: the knowledge probe
-    (:func:`waste_probe`, greedy readouts and scored probabilities) of a saved warm start, as one JSON line."""
+    """``python -m nlac_jax.experiments.corpus_forecast WARM_DIR [--n 32 --wasted odd --corpus_waste_every 2]``: the
+    knowledge probe (:func:`waste_probe`, greedy readouts and scored probabilities) and the skill probe
+    (:func:`skill_probe`) of a saved warm start, as one JSON line. Defaults: the learned-critic experiment's games."""
     import argparse
     import json
     p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     p.add_argument("warm_dir", help="a warm start saved by unit_scale (WORKDIR/warm_start_seed_<s>)")
     p.add_argument("--n", type=int, default=32)
-    p.add_argument("--waste_every", type=int, default=3, help="the RL game's rule")
-    p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule")
-    p.add_argument("--successor_tokens", type=int, default=56)
+    p.add_argument("--wasted", default="odd",
+                   help="the RL game's wasted numbers: 'odd', 'even', or a comma list (GuessNumberEnv.wasted_numbers)")
+    p.add_argument("--waste_every", type=int, default=0, help="the RL game's rule: multiples of this (0: none)")
+    p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule (0: rule-free)")
+    p.add_argument("--successor_tokens", type=int, default=40)
     args = p.parse_args(argv)
+    parity = {"odd": 1, "even": 0}
+    try:
+        wasted = ([g for g in range(1, args.n + 1) if g % 2 == parity[args.wasted]] if args.wasted in parity
+                  else [int(x) for x in args.wasted.split(",") if x.strip()])
+    except ValueError:
+        p.error(f"--wasted: expected 'odd', 'even' or a comma list of whole numbers, got {args.wasted!r}")
     from nlac_jax import sampling
     from nlac_jax.experiments import warm_start
     from nlac_jax.nlac.model_roles import ModelRoleSampler
     from nlac_jax.roles import RoleSampling
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
     settings = RoleSampling(temperatures={"policy": 1.0},
-                            max_new_tokens={"policy": 6, "successor": args.successor_tokens})
+                            max_new_tokens={"policy": 6, "successor": args.successor_tokens,
+                                            "backup": args.successor_tokens, "evaluator": 48, "refiner": 6})
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=settings)
-    out = waste_probe(roles, PromptSet(task="toy", prompt_set=PROMPT_SET), args.n, args.waste_every,
-                      args.corpus_waste_every)
+    ps = PromptSet(task="toy", prompt_set=PROMPT_SET)
+    out = waste_probe(roles, ps, args.n, args.waste_every, args.corpus_waste_every, wasted_numbers=wasted)
+    out.update(skill_probe(roles, ps, args.n))
     print(json.dumps({k: round(v, 4) for k, v in out.items()}))
     return 0
 
