@@ -64,6 +64,8 @@ __all__ = [
     "waste_probabilities",
     "named_guess",
     "skill_probe",
+    "WASTE_RULES",
+    "rule_numbers",
 ]
 
 PROMPT_SET = "toy_forecast"
@@ -362,10 +364,7 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
     corpus_wasted = _env(n, max_turns, corpus_waste_every).wasted
     guesses = list(range(1, n + 1))
-    settings = None
-    if greedy and getattr(sampler, "settings", None) is not None:
-        settings = dataclasses.replace(sampler.settings,
-                                       temperatures={**sampler.settings.temperatures, "successor": 0.0})
+    settings = _greedy_settings(sampler, ("successor",)) if greedy else None
     out = check_samples(sampler.sample([prompts.successor(state, str(g)) for g in guesses], params, "successor",
                                        n=samples, settings=settings), n * samples, "successor")
     said = {g: sum(forecast_reply(c.text) == WASTED_REPLY for c in grp) / samples
@@ -392,6 +391,24 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
                 p[g] for g in guesses if not corpus_wasted(g))}
 
 
+def _greedy_settings(sampler, roles: Sequence[str]):
+    """The sampler's settings with temperature 0 for ``roles`` (the others keep theirs); None if it has none."""
+    if getattr(sampler, "settings", None) is None:
+        return None
+    return dataclasses.replace(sampler.settings,
+                               temperatures={**sampler.settings.temperatures, **{r: 0.0 for r in roles}})
+
+
+WASTE_RULES = {"odd": lambda g: g % 2 == 1, "even": lambda g: g % 2 == 0, "mult3": lambda g: g % 3 == 0}
+
+
+def rule_numbers(rule: str, n: int) -> tuple[int, ...]:
+    """The numbers 1..n that ``rule`` (a key of :data:`WASTE_RULES`) wastes: a ``GuessNumberEnv.wasted_numbers``."""
+    if rule not in WASTE_RULES:
+        raise ValueError(f"unknown rule {rule!r}; rules are {sorted(WASTE_RULES)}")
+    return tuple(g for g in range(1, n + 1) if WASTE_RULES[rule](g))
+
+
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
 _NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number)")
 
@@ -415,10 +432,7 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     from nlac_jax.roles import check_samples
     ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
-    greedy = None
-    if getattr(sampler, "settings", None) is not None:
-        greedy = dataclasses.replace(sampler.settings,
-                                     temperatures={**sampler.settings.temperatures, **{r: 0.0 for r in SKILL_ROLES}})
+    greedy = _greedy_settings(sampler, SKILL_ROLES)
     got: dict = {}
     for role in SKILL_ROLES:
         pool = [e for e in ex if e.role == role]
@@ -478,17 +492,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("warm_dir", help="a warm start saved by unit_scale (WORKDIR/warm_start_seed_<s>)")
     p.add_argument("--n", type=int, default=32)
     p.add_argument("--wasted", default="odd",
-                   help="the RL game's wasted numbers: 'odd', 'even', or a comma list (GuessNumberEnv.wasted_numbers)")
+                   help=f"the RL game's wasted numbers: one of {sorted(WASTE_RULES)} or a comma list "
+                        "(GuessNumberEnv.wasted_numbers)")
     p.add_argument("--waste_every", type=int, default=0, help="the RL game's rule: multiples of this (0: none)")
     p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule (0: rule-free)")
     p.add_argument("--successor_tokens", type=int, default=40)
     args = p.parse_args(argv)
-    parity = {"odd": 1, "even": 0}
     try:
-        wasted = ([g for g in range(1, args.n + 1) if g % 2 == parity[args.wasted]] if args.wasted in parity
+        wasted = (rule_numbers(args.wasted, args.n) if args.wasted in WASTE_RULES
                   else [int(x) for x in args.wasted.split(",") if x.strip()])
     except ValueError:
-        p.error(f"--wasted: expected 'odd', 'even' or a comma list of whole numbers, got {args.wasted!r}")
+        p.error(f"--wasted: expected one of {sorted(WASTE_RULES)} or a comma list of whole numbers, "
+                f"got {args.wasted!r}")
     from nlac_jax import sampling
     from nlac_jax.experiments import warm_start
     from nlac_jax.nlac.model_roles import ModelRoleSampler

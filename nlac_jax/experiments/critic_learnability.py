@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -30,19 +30,13 @@ from nlac_jax.experiments import corpus_forecast as F
 from nlac_jax.experiments.corpus import CorpusExample, play_episode
 from nlac_jax.nlac.prompts import PromptSet
 
-RULES: dict[str, Callable[[int], bool]] = {
-    "odd": lambda g: g % 2 == 1,
-    "even": lambda g: g % 2 == 0,
-    "mult3": lambda g: g % 3 == 0,
-}
+RULES = F.WASTE_RULES
 BATCH = 16
 
 
 def wasted_numbers(rule: str, n: int) -> tuple[int, ...]:
-    """The numbers 1..n that ``rule`` (a key of :data:`RULES`) wastes."""
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; rules are {sorted(RULES)}")
-    return tuple(g for g in range(1, n + 1) if RULES[rule](g))
+    """The numbers 1..n that ``rule`` (a key of :data:`RULES`) wastes (``corpus_forecast.rule_numbers``)."""
+    return F.rule_numbers(rule, n)
 
 
 def true_successor_examples(rule: str, n: int, episodes: int = 400, seed: int = 0,
