@@ -119,6 +119,49 @@ def test_critique_by_hand():
     assert F.critique(state, "hmm", "Outcome: failure; Return: 0\nReply: error.", N)[1:] == (False, "8")
 
 
+def test_range_critique_by_hand():
+    """judge_range: a guess outside the public interval (here 1..15 after "16 lower"; the repeat 16 is one) is
+    suboptimal whatever the forecast says, and the critique names the middle; inside, the waste critique as before;
+    off, the old critique."""
+    state = [{"role": "system", "content": "You have 6 guesses."}, {"role": "user", "content": "1 and 32."},
+             {"role": "assistant", "content": "16"}, {"role": "user", "content": "lower"}]
+    fc = "Outcome: failure; Return: 0\nReply: lower."
+    assert F.critique(state, "16", fc, N, judge_range=True) == (
+        "Forecast reply: lower. Guess 16 is outside 1 to 15: try 8.\nVerdict: suboptimal", False, "8")
+    assert F.critique(state, "30", "Outcome: failure; Return: 0\nReply: no answer.", N, judge_range=True)[1:] == (
+        False, "8")
+    assert F.critique(state, "9", fc, N, judge_range=True) == F.critique(state, "9", fc, N)
+    assert F.critique(state, "16", fc, N) == ("Forecast reply: lower. Guess 16 gets an answer.\nVerdict: optimal",
+                                             True, "16")
+    assert F.named_guess("Forecast reply: lower. Guess 16 is outside 1 to 15: try 8.") == "16"
+
+
+def test_range_skill_examples(source):
+    """p_out_of_range > 0: skill-game alternatives outside the interval (repeats among them) are judged
+    suboptimal with the middle as the better guess, the refiner plays it, the corpus game and the policy and
+    successor examples are unchanged, and whether a forecast says "no answer" still does not follow the parity."""
+    base = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source)
+    ex = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source, p_out_of_range=0.5)
+    keep = ("policy", "successor")
+    assert _key([e for e in ex if e.role in keep]) == _key([e for e in base if e.role in keep])
+    assert not any(e.meta.get("out_of_range") for e in base if e.role == "evaluator")
+    pairs = [(e, r) for e, r in zip(ex, ex[1:]) if e.role == "evaluator"]
+    out = [(e, r) for e, r in pairs if e.meta["out_of_range"]]
+    assert len(out) >= 10 and all(e.meta["source"] == "alternative" for e, _ in out)
+    repeats = 0
+    for e, r in out:
+        lo, hi, _, _ = consistent_interval(e.state, N)
+        g = parse_guess(e.action)
+        assert not lo <= g <= hi and parse_verdict(e.target_text) is False
+        assert r.target_text == str((lo + hi) // 2) and f"outside {lo} to {hi}: try {r.target_text}." in e.target_text
+        repeats += e.action in [m["content"] for m in e.state if m["role"] == "assistant"]
+    assert 0 < repeats < len(out)
+    inside = [e for e, _ in pairs if not e.meta["out_of_range"] and parse_guess(e.action) is not None]
+    rate = {p: [not e.meta["verdict"] for e in inside if parse_guess(e.action) % 2 == p] for p in (0, 1)}
+    rate = {p: sum(v) / len(v) for p, v in rate.items()}
+    assert abs(rate[0] - rate[1]) < 0.2, rate
+
+
 def test_waste_probe_by_hand():
     """A scripted critic that forecasts the corpus rule (evens wasted), probed for the RL rule (multiples of 3) on
     1..12: RL-wasted 3, 6, 9, 12 -> said for 6 and 12: 0.5; corpus-only 2, 4, 8, 10 -> 1.0; neither 1, 5, 7, 11 ->
@@ -261,6 +304,29 @@ def test_skill_probe_scores_copying_and_reading():
     assert F.named_guess("Forecast reply: no answer. Guess 15 is wasted: try 16.\nVerdict: suboptimal") == "15"
     assert F.named_guess("Forecast reply: higher. Guess 7 gets an answer.\nVerdict: optimal") == "7"
     assert F.named_guess("Verdict: optimal") is None
+
+
+def test_skill_probe_reads_the_range_critique():
+    """p_out_of_range > 0: a scripted evaluator that answers as the range-judging corpus does scores 1 on the
+    out-of-range prompts; one that ignores the range (the waste-only critique) is right there only where the
+    forecast happens to say "no answer" (a random waste set: about a third)."""
+    from nlac_jax.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+    tasks = F._train_tasks(N, None)
+    ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, p_out_of_range=0.5)
+    ex += F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps)
+    table = {(e.role, json.dumps(e.prompt_messages)): e for e in ex}
+    right = {r: (lambda m, j, r=r: table[(r, json.dumps(m))].target_text) for r in F.SKILL_ROLES}
+    got = F.skill_probe(ScriptedRoleSampler(right), ps, N, p_out_of_range=0.5)
+    assert got["skill/evaluator_range"] == 1.0 and got["skill/evaluator_verdict"] == 1.0
+
+    def waste_only(m, j):
+        e = table[("evaluator", json.dumps(m))]
+        future = m[-1]["content"].split("Forecast: ", 1)[1].rsplit("\nGuess: ", 1)[0]
+        return F.critique(e.state, e.action, future, N)[0]
+    blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, p_out_of_range=0.5)
+    assert 0.0 < blind["skill/evaluator_range"] < 0.7, blind
+    assert "skill/evaluator_range" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
 
 
 def test_learnability_examples_follow_the_rule_and_the_batch_share():

@@ -159,11 +159,16 @@ def forecast_reply(text: str) -> Optional[str]:
 # ------------------------------------------------------------------------------------------- critique
 
 
-def critique(state: Sequence[dict], action: str, future_text: str, n: int) -> tuple[str, bool, str]:
+def critique(state: Sequence[dict], action: str, future_text: str, n: int,
+             judge_range: bool = False) -> tuple[str, bool, str]:
     """The scripted evaluator and refiner: (critique, verdict, refined guess), from the PUBLIC state and the
     forecast only. A forecast reply "no answer" means the guess is wasted: move it to a neighbour (the guess + 1,
     or - 1 when + 1 is above the possible range); "error" means it is not a number: try the middle of the range.
-    Any other forecast reply means the guess gets an answer (optimal: the refiner keeps it)."""
+    Any other forecast reply means the guess gets an answer (optimal: the refiner keeps it).
+
+    judge_range: a guess outside the public "Possible now" interval (a repeat of an answered guess is one) is
+      suboptimal whatever the forecast says: "Guess 22 is outside 23 to 29: try 26." (the middle). This reads only
+      the public state line the policy reads too: a skill, no knowledge of any waste rule."""
     lo, hi, _, _ = consistent_interval(state, n)
     word = forecast_reply(future_text) or "unknown"
     g = parse_guess(action)
@@ -172,6 +177,9 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int) -> tu
         shown = " ".join(str(action).split())[:20] or "(empty)"
         better = str((lo + hi) // 2)
         return f"{head} Guess {shown} is not a number: try {better}.\nVerdict: suboptimal", False, better
+    if judge_range and not lo <= g <= hi and lo <= hi:
+        better = str((lo + hi) // 2)
+        return f"{head} Guess {g} is outside {lo} to {hi}: try {better}.\nVerdict: suboptimal", False, better
     if word == WASTED_REPLY:
         better = g + 1 if g + 1 <= hi else g - 1 if g - 1 >= lo else g
         return f"{head} Guess {g} is wasted: try {better}.\nVerdict: suboptimal", False, str(better)
@@ -200,16 +208,29 @@ def _backup_example(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition]
 
 
 def _judge_examples(ps: PromptSet, n: int, task: Task, state: list, action: str, future_text: str,
-                    meta: dict) -> list[CorpusExample]:
-    text, verdict, refined = critique(state, action, future_text, n)
-    m = dict(meta, verdict=verdict, refined=refined)
+                    meta: dict, judge_range: bool = False) -> list[CorpusExample]:
+    text, verdict, refined = critique(state, action, future_text, n, judge_range)
+    lo, hi, _, _ = consistent_interval(state, n)
+    g = parse_guess(action)
+    m = dict(meta, verdict=verdict, refined=refined, out_of_range=g is not None and not lo <= g <= hi)
     return [CorpusExample("evaluator", ps.evaluator(state, action, [future_text]), text, task.id, state, action, m),
             CorpusExample("refiner", ps.refiner(state, action, text, []), refined, task.id, state, action, m)]
 
 
-def _alternative(state: list, taken: str, n: int, rng: random.Random, jitter: float, p_non_number: float) -> str:
+def _alternative(state: list, taken: str, n: int, rng: random.Random, jitter: float, p_non_number: float,
+                 p_out_of_range: float = 0.0) -> str:
     if rng.random() < p_non_number:
         return rng.choice(_NON_NUMBERS)
+    if p_out_of_range > 0 and rng.random() < p_out_of_range:  # (no draw at 0: the old corpora stay bit-identical)
+        lo, hi, _, _ = consistent_interval(state, n)
+        outside = [g for g in range(1, n + 1) if not lo <= g <= hi]
+        # half of them repeat an answered guess: the mistake a small policy makes most (README, "Does NLAC learn?")
+        asked = [int(m["content"]) for m in state if m.get("role") == "assistant"
+                 and m.get("content", "").strip().isdigit() and int(m["content"]) in outside]
+        if asked and rng.random() < 0.5:
+            return str(rng.choice(asked))
+        if outside:
+            return str(rng.choice(outside))
     a = taken
     for _ in range(8):
         a = jitter_action(state, n, rng, max(jitter, 0.5))
@@ -232,7 +253,8 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                             max_turns: Optional[int] = None, p_non_number: float = 0.02,
                             prompts: Optional[PromptSet] = None,
                             target_cfg: Optional[TargetConfig] = None,
-                            corpus_waste_p: Optional[float] = None) -> list[CorpusExample]:
+                            corpus_waste_p: Optional[float] = None,
+                            p_out_of_range: float = 0.0) -> list[CorpusExample]:
     """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
 
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
@@ -243,6 +265,9 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     skill_episodes: skill-game episodes (each wastes its own random set, every number with ``skill_waste_p``): per
       step backup examples (non-terminal steps) and evaluator + refiner examples for the taken action and one
       alternative (its future played out counterfactually), judged from the real future's forecast.
+    p_out_of_range: > 0 turns on the range critique (:func:`critique`'s ``judge_range``) and makes each skill-game
+      alternative, with this probability, a guess outside the possible range (half of them a repeat of an answered
+      guess when there is one), so the evaluator sees what it judges. 0: the waste-only critique.
     """
     ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
     cfg = target_cfg or TargetConfig()
@@ -268,6 +293,7 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
             assert cf[t].state == tr.state  # deterministic env: same prefix, same state
             out.append(CorpusExample("successor", ps.successor(tr.state, alt), forecast(cf[t:], ps, cfg), task.id,
                                      tr.state, alt, dict(meta, source="alternative", terminal=cf[t].done)))
+    judge_range = p_out_of_range > 0
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-skill", seed).take(max(skill_episodes, 0))):
         env, rng, traj = skill_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
         summaries = [forecast(traj[t:], ps, cfg) for t in range(len(traj))]
@@ -277,14 +303,14 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                         episode_length=len(traj))
             if not tr.done:
                 out.append(_backup_example(ps, cfg, traj, summaries, t, task.id, meta))
-            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta)
-            alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number)
+            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range)
+            alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range)
             cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
             cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
             ameta = dict(meta, source="alternative")
             if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
                 out.append(_backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
-            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta)
+            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range)
     return out
 
 
@@ -302,12 +328,13 @@ def _train_tasks(n: int, task_source: Optional[GuessNumberTaskSource]) -> list[T
 def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200, corpus_waste_every: int = 2,
                     skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
                     task_source: Optional[GuessNumberTaskSource] = None,
-                    corpus_waste_p: Optional[float] = None) -> list[CorpusExample]:
+                    corpus_waste_p: Optional[float] = None, p_out_of_range: float = 0.0) -> list[CorpusExample]:
     """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
     no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
     return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
                                    corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
-                                   jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p)
+                                   jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p,
+                                   p_out_of_range=p_out_of_range)
 
 
 def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,
@@ -410,7 +437,7 @@ def rule_numbers(rule: str, n: int) -> tuple[int, ...]:
 
 
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
-_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number)")
+_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside)")
 
 
 def named_guess(critique_text: str) -> Optional[str]:
@@ -420,7 +447,7 @@ def named_guess(critique_text: str) -> Optional[str]:
 
 
 def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: int = 48,
-                params: str = "policy") -> dict:
+                params: str = "policy", p_out_of_range: float = 0.0) -> dict:
     """What the critic roles CAN DO, independent of any waste rule: greedy outputs on ``per_role`` fresh skill-game
     examples (corpus seed ``seed``: other episodes than any warm start's) of each of :data:`SKILL_ROLES`, against
     the scripted targets. In a skill game the waste set is random, so only reading the prompt gets these right.
@@ -428,14 +455,22 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     Returns skill/backup_reply (the backup's forecast gives the REAL reply of its prompt), skill/backup_outcome
     (its first line is the target's Bellman line), skill/evaluator_guess (the critique names the guess under
     judgment), skill/evaluator_verdict (the verdict follows the forecast's reply), skill/evaluator_exact, and
-    skill/refiner (the refiner plays the guess the critique names)."""
+    skill/refiner (the refiner plays the guess the critique names).
+    p_out_of_range > 0 (the corpus's range critique, :func:`build_forecast_examples`): the probe's corpus has it
+    too, and skill/evaluator_range is the verdict's accuracy on up to ``per_role`` evaluator prompts whose guess is
+    outside the possible range (an extra call)."""
     from nlac_jax.roles import check_samples
-    ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts)
+    ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts,
+                                 p_out_of_range=p_out_of_range)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
     greedy = _greedy_settings(sampler, SKILL_ROLES)
     got: dict = {}
-    for role in SKILL_ROLES:
-        pool = [e for e in ex if e.role == role]
+    roles = list(SKILL_ROLES) + (["evaluator_range"] if p_out_of_range > 0 else [])
+    for name in roles:
+        role = "evaluator" if name == "evaluator_range" else name
+        pool = [e for e in ex if e.role == role and (name != "evaluator_range" or e.meta["out_of_range"])]
+        if not pool:
+            continue
         xs = rng.sample(pool, min(per_role, len(pool)))
         outs = [c.text.strip() for c in check_samples(
             sampler.sample([e.prompt_messages for e in xs], params, role, settings=greedy), len(xs), role)]
@@ -443,7 +478,9 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
 
         def frac(pred):
             return sum(bool(pred(o, t, e)) for o, t, e in pairs) / max(1, len(pairs))
-        if role == "backup":
+        if name == "evaluator_range":
+            got["skill/evaluator_range"] = frac(lambda o, t, e: o.split("\n")[-1] == t.split("\n")[-1])
+        elif role == "backup":
             got["skill/backup_reply"] = frac(lambda o, t, e: forecast_reply(o) == forecast_reply(t))
             got["skill/backup_outcome"] = frac(lambda o, t, e: o.split("\n")[0] == t.split("\n")[0])
         elif role == "evaluator":
@@ -497,6 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--waste_every", type=int, default=0, help="the RL game's rule: multiples of this (0: none)")
     p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule (0: rule-free)")
     p.add_argument("--successor_tokens", type=int, default=40)
+    p.add_argument("--p_out_of_range", type=float, default=0.0,
+                   help="the skill probe's corpus judges the range too (forecast_corpus.p_out_of_range)")
     args = p.parse_args(argv)
     try:
         wasted = (rule_numbers(args.wasted, args.n) if args.wasted in WASTE_RULES
@@ -515,7 +554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=settings)
     ps = PromptSet(task="toy", prompt_set=PROMPT_SET)
     out = waste_probe(roles, ps, args.n, args.waste_every, args.corpus_waste_every, wasted_numbers=wasted)
-    out.update(skill_probe(roles, ps, args.n))
+    out.update(skill_probe(roles, ps, args.n, p_out_of_range=args.p_out_of_range))
     print(json.dumps({k: round(v, 4) for k, v in out.items()}))
     return 0
 

@@ -151,7 +151,8 @@ def probe(run, xcfg) -> dict:
     env = run.judge_env
     out = corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, env.waste_every, corpus_rule(),
                                       wasted_numbers=sorted(env.wasted_numbers))
-    out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n))
+    p_out = float(gin.get_bindings(corpus_forecast.forecast_corpus).get("p_out_of_range", 0.0))
+    out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
     return out
 
 
