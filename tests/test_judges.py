@@ -7,10 +7,12 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import pytest
@@ -513,50 +515,71 @@ def test_nl_assertion_judge_through_an_endpoint(served, tmp_path):
 
 @pytest.mark.slow
 def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
-    """The training loop's judge endpoint goes down after the first checkpoint: the run exits with one line naming
-    the endpoint, the checkpoint restores (a new run resumes from it), and the cache keeps every answer given."""
-    wd, cache = tmp_path / "run", tmp_path / "cache"
-    ckpts = wd / "checkpoints"
-    after_ckpt = []
+    """The training loop's judge endpoint goes down in iteration 2, after the first checkpoint: the run exits with one
+    line naming the endpoint, the checkpoint restores (a new run resumes from it), and the cache keeps every answer
+    given.
 
-    def dies_when():  # three more answers once a checkpoint is committed (its step directory exists), then down
-        if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
-            after_ckpt.append(1)
-        return len(after_ckpt) > 3
+    Where it goes down is deterministic: the run waits at the test hold point of iteration 2's collect phase
+    (nlac_jax/interrupts.py) until checkpoint 1 is committed; from its release the endpoint gives three more answers
+    (iteration 2's own, which the resumed run asks again), then goes down for good."""
+    wd, cache, marker = tmp_path / "run", tmp_path / "cache", tmp_path / "hold"
+    released, after_release = threading.Event(), []
+
+    def dies_when():
+        if released.is_set():
+            after_release.append(1)
+        return len(after_release) > 3
 
     fake = FakeEndpoint(lambda messages: "No", dies_when)
 
-    def train(url, iterations):
+    def cmd(url):
         params = ["make_env_factory.oracle = 'model'", "make_env_factory.max_turns = 2",
                   "external_model.kind = 'openai'", f"OpenAIChatModel.base_url = '{url}'",
                   f"OpenAIChatModel.model = '{NAME}'", f"OpenAIChatModel.cache_dir = '{cache}'",
                   "OpenAIChatModel.max_retries = 1", "OpenAIChatModel.backoff_s = 0.05",
-                  f"LoopConfig.iterations = {iterations}", "LoopConfig.eval_every = 100",
+                  "LoopConfig.iterations = 2", "LoopConfig.eval_every = 100",
                   "LoopConfig.calibration_transitions = 0", "LoopConfig.episodes_per_iteration = 4",
                   "LoopConfig.env_pool = 4", "LoopConfig.critic_examples = 2", "LoopConfig.policy_examples = 2",
                   "LoopConfig.eval_episodes = 2", "LoopConfig.max_len = 1600",
                   "nlac.RoleSampling.max_new_tokens = {'policy': 6, 'successor': 4, 'backup': 4, 'evaluator': 4, "
                   "'refiner': 4}"]
-        return subprocess.run([sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
-                               "--gin_file=gin/tasks/twenty_questions.gin", f"--workdir={wd}"] +
-                              [f"--gin_param={p}" for p in params],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=one_device)
+        return [sys.executable, "-m", "nlac_jax.train", "--gin_file=gin/runs/tiny_random_cpu.gin",
+                "--gin_file=gin/tasks/twenty_questions.gin", f"--workdir={wd}"] + [f"--gin_param={p}" for p in params]
 
     # one CPU device: no cross-device collectives to wait on when the machine is busy
     one_device = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    held = {**one_device, "NLAC_TEST_HOLD_AT": "2:collect", "NLAC_TEST_HOLD_FILE": str(marker)}
+    err_path = tmp_path / "first.err"
     try:
-        res = train(fake.url, 3)
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(cmd(fake.url), cwd=ROOT, env=held, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600  # a guard against a hang only: the run waits at its marker
+            while not (marker.exists() and (wd / "checkpoints" / "1").is_dir()):  # orbax renames it when committed
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the run never reached iteration 2 with step 1 saved (exit {proc.poll()}):\n"
+                                + err_path.read_text()[-3000:])
+                time.sleep(0.1)
+            released.set()
+            marker.unlink()
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     finally:
         fake.close()
-    errors = [line for line in res.stderr.splitlines() if "nlac_jax.train: error:" in line]
-    assert res.returncode == 1 and fake.dead and len(errors) == 1, res.stderr[-3000:]
-    assert fake.url + "/chat/completions" in errors[0] and "Traceback" not in res.stderr, res.stderr[-3000:]
+    stderr = err_path.read_text()
+    errors = [line for line in stderr.splitlines() if "nlac_jax.train: error:" in line]
+    assert proc.returncode == 1 and fake.dead and len(errors) == 1, stderr[-3000:]
+    assert fake.url + "/chat/completions" in errors[0] and "Traceback" not in stderr, stderr[-3000:]
     answered = len(fake.chats)
     assert answered > 0 and len(ResponseCache(str(cache))) == len({json.dumps(c) for c in fake.chats})
     # a new endpoint, the same workdir: the run resumes from the checkpoint and finishes
     again = FakeEndpoint(lambda messages: "No")
     try:
-        res = train(again.url, 2)
+        res = subprocess.run(cmd(again.url), cwd=ROOT, capture_output=True, text=True, timeout=600, env=one_device)
     finally:
         again.close()
     assert res.returncode == 0, res.stderr[-3000:]
