@@ -210,3 +210,30 @@ def test_waste_rule_is_a_gin_binding():
         assert env.waste_every == 3 and env.wasted(27) and not env.wasted(28)
     finally:
         gin.clear_config()
+
+
+def test_action_categories_by_hand():
+    """action_category: the first label that applies, in ACTION_CATEGORIES order, checked against hand-worked
+    states of the odd-wasting game (target 20), and action_breakdown's fractions over a scripted episode."""
+    from nlac_jax.envs.base import Episode
+    from nlac_jax.envs.transition import Transition
+    from nlac_jax.nlac.evaluation import action_breakdown
+    env = GuessNumberEnv(n=32, wasted_numbers=tuple(range(1, 33, 2)))
+    task = Task(id='t', split='test', payload={'target': 20, 'n': 32})
+    env.reset(task)
+
+    def state(*turns):
+        msgs = [{'role': 'system', 'content': 'You have 6 guesses.'}, {'role': 'user', 'content': '1 and 32.'}]
+        for g, reply in turns:
+            msgs += [{'role': 'assistant', 'content': g}, {'role': 'user', 'content': reply}]
+        return msgs
+    s = state(('16', 'higher'), ('25', 'no answer'))  # the feedback allows 17..32; 25 was wasted
+    assert [env.action_category(s, a) for a in ('hmm', '16', '25', '8', '23', '24', '20')] == [
+        'invalid', 'repeat', 'repeat', 'outside', 'wasted', 'informative', 'informative']
+    assert env.action_category(state(), '19') == 'wasted' and env.action_category(state(), '33') == 'outside'
+    steps = [(state(), '16'), (s[:4], '25'), (s, '8'), (s, '24')]
+    ep = Episode(task=task, messages=[], transitions=[Transition(st, a, 0.0, None, True) for st, a in steps],
+                 total_return=0.0, success=False, length=4, num_errors=0)
+    assert action_breakdown([ep], env) == {'actions/invalid': 0.0, 'actions/repeat': 0.0, 'actions/outside': 0.25,
+                                           'actions/wasted': 0.25, 'actions/informative': 0.5}
+    assert action_breakdown([ep], None) == {}

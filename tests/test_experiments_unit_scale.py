@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from nlac_jax.envs.base import Episode, Task, Transition
+from nlac_jax.envs.toy import GuessNumberEnv
 from nlac_jax.experiments import arms
 from nlac_jax.nlac.prompts import PromptSet
 from xla_test_flags import xla_flags
@@ -224,6 +225,10 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
         rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_1", "metrics.jsonl"))]
         assert all("probe/knowledge_accuracy" in r and "probe/p_gap_rl" in r and "skill/evaluator_guess" in r
                    for r in rows if "eval/success_rate" in r), rows
+        # the held-out action breakdown (evaluation.action_breakdown): fractions of every action, summing to 1
+        assert all(abs(sum(r[f"eval/actions/{c}"] for c in GuessNumberEnv.ACTION_CATEGORIES) - 1) < 1e-9
+                   for r in rows if "eval/success_rate" in r), rows
+    assert "| wasted guesses |" in table
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():

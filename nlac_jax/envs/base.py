@@ -167,6 +167,11 @@ class EnvBase:
         """Whether ``action`` is optimal in ``state`` (a message history); None when the env cannot tell."""
         return None
 
+    def action_category(self, state: Sequence[Message], action: str) -> Optional[str]:
+        """What kind of mistake ``action`` is in ``state`` (an env-specific label, for held-out diagnostics:
+        ``evaluation.action_breakdown``); None when the env has no such labels."""
+        return None
+
 
 class TaskCursor:
     """Deterministic, resumable iterator over a split: reshuffles every epoch from (seed, epoch).

@@ -232,6 +232,27 @@ class GuessNumberEnv(EnvBase):
         return _covered(g, lo, hi, r) == min(hi - lo + 1, 2 ** r - 1) and _covered(g, lo, hi, r) > 0
 
 
+    ACTION_CATEGORIES = ("invalid", "repeat", "outside", "wasted", "informative")
+
+    def action_category(self, state: Sequence[dict], action: str) -> Optional[str]:
+        """One of :attr:`ACTION_CATEGORIES` for ``action`` in ``state`` (for this env's current task): "invalid"
+        (not a guess), "repeat" (a number guessed before), "outside" (outside the interval the feedback still
+        allows), "wasted" (inside it, wrong, and wasted by the waste rule), else "informative" (the hidden number
+        included). The first that applies, in that order."""
+        if self._task is None:
+            return None
+        g = parse_guess(action) if self.validate_action(action) is None else None
+        if g is None:
+            return "invalid"
+        asked = {parse_guess(m.get("content", "")) for m in state if m.get("role") == "assistant"}
+        if g in asked:
+            return "repeat"
+        lo, hi, _, _ = self._replay(state)
+        if not lo <= g <= hi:
+            return "outside"
+        return "wasted" if g != self.target and self.wasted(g) else "informative"
+
+
 def binary_search_policy(history: Sequence[dict], n: int) -> str:
     """Scripted optimal policy: guess the midpoint of the interval implied by the feedback in ``history``."""
     lo, hi, last = 1, n, None

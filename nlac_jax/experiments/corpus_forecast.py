@@ -534,6 +534,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--waste_every", type=int, default=0, help="the RL game's rule: multiples of this (0: none)")
     p.add_argument("--corpus_waste_every", type=int, default=2, help="the corpus game's rule (0: rule-free)")
     p.add_argument("--successor_tokens", type=int, default=40)
+    p.add_argument("--policy_episodes", type=int, default=0,
+                   help="> 0: also play this many episodes per held-out task in the RL game with the warm start's "
+                        "policy (T = 1) and print its success and action breakdown (evaluation.action_breakdown)")
     p.add_argument("--p_out_of_range", type=float, default=0.0,
                    help="the skill probe's corpus judges the range too (forecast_corpus.p_out_of_range)")
     args = p.parse_args(argv)
@@ -555,6 +558,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ps = PromptSet(task="toy", prompt_set=PROMPT_SET)
     out = waste_probe(roles, ps, args.n, args.waste_every, args.corpus_waste_every, wasted_numbers=wasted)
     out.update(skill_probe(roles, ps, args.n, p_out_of_range=args.p_out_of_range))
+    if args.policy_episodes > 0:
+        from nlac_jax.nlac import evaluation
+        tasks = [t for t in GuessNumberTaskSource(args.n).tasks("test") for _ in range(args.policy_episodes)]
+        envs = [_env(args.n, None, args.waste_every, wasted) for _ in range(min(len(tasks), 64))]
+        m, _ = evaluation.evaluate(envs, tasks, roles, ps, _env(args.n, None, args.waste_every, wasted),
+                                   calibration_transitions=0, score_transitions=0)
+        out.update({f"policy/{k[len('eval/'):]}": v for k, v in m.items()
+                    if k == "eval/success_rate" or k.startswith("eval/actions/")})
     print(json.dumps({k: round(v, 4) for k, v in out.items()}))
     return 0
 

@@ -204,7 +204,9 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("probe/p_gap_rl", "P(wasted) gap, RL rule (+1 knows it)"),
               ("probe/p_gap_corpus", "P(wasted) gap, corpus rule"),
               ("skill/backup_reply", "backup copies the real reply"),
-              ("skill/evaluator_guess", "critique names the guess"))
+              ("skill/evaluator_guess", "critique names the guess"),
+              ("eval/actions/wasted", "wasted guesses"), ("eval/actions/outside", "guesses outside the range"),
+              ("eval/actions/repeat", "repeated guesses"))
 
 
 def _final(rows: list[dict], key: str) -> float:

@@ -133,6 +133,24 @@ def critic_diagnostics(episodes: Sequence[Episode], sampler: RoleSampler, prompt
     return out
 
 
+def action_breakdown(episodes: Sequence[Episode], judge_env) -> dict:
+    """The fraction of the policy's actions in each of the judge env's ``action_category`` labels, over every
+    transition of ``episodes`` (no model call): {"actions/<label>": fraction}; {} when the env has no labels."""
+    if judge_env is None or type(judge_env).action_category is EnvBase.action_category:
+        return {}
+    counts: dict = {}
+    for ep in episodes:
+        judge_env.reset(ep.task)  # labels may depend on hidden task data (the toy number: "wasted")
+        for t in ep.transitions:
+            label = judge_env.action_category(t.state, t.action)
+            if label is not None:
+                counts[label] = counts.get(label, 0) + 1
+    total = sum(counts.values())
+    labels = list(getattr(judge_env, "ACTION_CATEGORIES", ())) + sorted(set(counts) - set(
+        getattr(judge_env, "ACTION_CATEGORIES", ())))
+    return {f"actions/{k}": counts.get(k, 0) / total for k in labels} if total else {}
+
+
 def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: PromptSet, judge_env=None,
              params: str = "policy", calibration_transitions: int = 16, max_turns: int | None = None,
              settings: RoleSampling | None = None, processes=None,
@@ -149,6 +167,7 @@ def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: Pro
     policy_fn = make_policy_fn(sampler, prompts, params, settings=settings.evaluation())
     episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns, processes=processes)
     m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
+    m.update({f"eval/{k}": v for k, v in action_breakdown(episodes, judge_env).items()})
     if score_transitions > 0:
         m.update({f"eval/{k}": v for k, v in critic_score_metrics(
             episodes, sampler, prompts, score_transitions, params).items()})
