@@ -536,7 +536,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--successor_tokens", type=int, default=40)
     p.add_argument("--policy_episodes", type=int, default=0,
                    help="> 0: also play this many episodes per held-out task in the RL game with the warm start's "
-                        "policy (T = 1) and print its success and action breakdown (evaluation.action_breakdown)")
+                        "policy (--policy_temperature) and print its success and action breakdown (evaluation.action_breakdown)")
+    p.add_argument("--policy_temperature", type=float, default=1.0, help="the policy's temperature (0: greedy)")
     p.add_argument("--p_out_of_range", type=float, default=0.0,
                    help="the skill probe's corpus judges the range too (forecast_corpus.p_out_of_range)")
     args = p.parse_args(argv)
@@ -551,7 +552,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from nlac_jax.nlac.model_roles import ModelRoleSampler
     from nlac_jax.roles import RoleSampling
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
-    settings = RoleSampling(temperatures={"policy": 1.0},
+    settings = RoleSampling(temperatures={"policy": args.policy_temperature},
                             max_new_tokens={"policy": 6, "successor": args.successor_tokens,
                                             "backup": args.successor_tokens, "evaluator": 48, "refiner": 6})
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=settings)
