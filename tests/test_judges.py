@@ -547,7 +547,7 @@ def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
                 "--gin_file=gin/tasks/twenty_questions.gin", f"--workdir={wd}"] + [f"--gin_param={p}" for p in params]
 
     # one CPU device: no cross-device collectives to wait on when the machine is busy
-    one_device = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    one_device = {**os.environ, "XLA_FLAGS": xla_flags(1, loop_run=True), "JAX_PLATFORMS": "cpu"}
     held = {**one_device, "NLAC_TEST_HOLD_AT": "2:collect", "NLAC_TEST_HOLD_FILE": str(marker)}
     err_path = tmp_path / "first.err"
     try:

@@ -54,8 +54,11 @@ def _cmd(workdir, iterations, extra=()):
 
 
 def _env(devices=8):
+    """The 1-device runs (the reference, the killed and preempted runs and their resumptions, the recompilation
+    check, test_disk_full's runs) run the same programs, so all but the first load them from the persistent
+    compilation cache: LLVM -O1 (xla_test_flags.LOOP_RUN). The 8-device run is the only one of its kind: -O0."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices)
+    env["XLA_FLAGS"] = xla_flags(devices, loop_run=devices == 1)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -1,12 +1,24 @@
 """The XLA flags of the test bench: for the pytest process (conftest.py) and every subprocess a test starts, so a
-test that compares a subprocess's numbers with another's compares programs compiled alike."""
+test that compares a subprocess's numbers with another's compares programs compiled alike (processes whose numbers
+are compared must be started with the same `loop_run`)."""
 
 # LLVM at -O0 for the CPU backend: the suite's cost is compiling many small programs, not running them (1.6x faster
 # on tests/test_train_step.py on 2 cores). XLA's own HLO passes still run, and the results stay within every test's
 # tolerance; runs and benchmarks outside the tests keep the default.
 COMPILE_FAST = "--xla_backend_optimization_level=0"
+# LLVM at -O1 for the 1-process runs of the training loop that a test repeats (xla_flags(loop_run=True)): after the
+# first, each loads its programs from the persistent compilation cache and spends its time RUNNING them. The tiny
+# model prefills 600-1600-token prompts at every sampler call, and the float32 prefill's dots are XLA's own loops
+# (nlac_jax/xla_options.py keeps YNNPACK out of it), which -O0 leaves unoptimised: a 1536-token prefill of 4 rows
+# takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and compiles a little slower than -O0.
+# Measured on 2 loaded cores, test_multihost's 1-process reference run, CPU seconds from an empty / a warm
+# compilation cache: -O0 85-94 / 41, -O1 88-104 / 21, -O2 103 / 25 (-O2 compiles with more threads). Not for
+# multi-process runs: they never use the cache (nlac_jax/train.py, enable_compilation_cache), so every one of them
+# compiles everything, and a 2-process run cost 187 CPU seconds at -O0, 237 at -O1.
+LOOP_RUN = "--xla_backend_optimization_level=1"
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process with `devices` simulated CPU devices."""
-    return f"--xla_force_host_platform_device_count={devices} {COMPILE_FAST}"
+def xla_flags(devices: int, loop_run: bool = False) -> str:
+    """XLA_FLAGS for a process with `devices` simulated CPU devices; loop_run: for a 1-process run of the training
+    loop that reuses its programs from the persistent cache (LOOP_RUN instead of COMPILE_FAST)."""
+    return f"--xla_force_host_platform_device_count={devices} {LOOP_RUN if loop_run else COMPILE_FAST}"
