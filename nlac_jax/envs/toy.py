@@ -231,7 +231,6 @@ class GuessNumberEnv(EnvBase):
             return lo <= g <= hi and (g == self.target or not self.wasted(g))
         return _covered(g, lo, hi, r) == min(hi - lo + 1, 2 ** r - 1) and _covered(g, lo, hi, r) > 0
 
-
     ACTION_CATEGORIES = ("invalid", "repeat", "outside", "wasted", "informative")
 
     def action_category(self, state: Sequence[dict], action: str) -> Optional[str]:
