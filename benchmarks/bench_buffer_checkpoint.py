@@ -112,8 +112,8 @@ class _Run:
     """What NLACRun.save reads, around a real Checkpointer and buffer (the loop's own save code runs)."""
 
     def __init__(self, checkpointer, buffer, state):
-        from nlac_jax import loop
-        from nlac_jax.distributed import Processes
+        from nlac_jax.parallel.distributed import Processes
+        from nlac_jax.runner import loop
         self.checkpointer, self.buffer, self.env_name = checkpointer, buffer, "tau_retail"
         self.processes = Processes()
         self.cursor = types.SimpleNamespace(state_dict=lambda: {"split": "train", "epoch": 0, "index": 0, "seed": 0})
@@ -149,7 +149,8 @@ def dir_bytes(path: str) -> int:
 def tiny_setup():
     """(cfg, mesh, optimizer, a TrainState) of a tiny model on one device: the arrays beside the buffer."""
     import jax
-    from nlac_jax import models, sharding, training
+    from nlac_jax import models, training
+    from nlac_jax.parallel import sharding
     cfg = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=8, rope_theta=10000.0)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])

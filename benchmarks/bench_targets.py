@@ -10,7 +10,7 @@ user: real multi-turn episodes with real tool outputs. The targets phase is NLAC
 (`build_critic_examples`, `build_policy_examples`, k = --k futures) over every transition, with a scripted role
 sampler that returns fixed, well-formed texts of realistic length; every prompt it is asked to complete is recorded.
 
-Tokenizer: the in-process BPE (nlac_jax.tiny) trained with --vocab entries on its built-in corpus PLUS the
+Tokenizer: the in-process BPE (nlac_jax.testing.tiny) trained with --vocab entries on its built-in corpus PLUS the
 domain's policy and tool schemas, so a token covers about as many characters of that text as a real model's
 tokenizer (printed). Counts are exact for that tokenizer.
 
@@ -20,7 +20,7 @@ Reported:
   sampled n times once), and the tokens a perfect prefix cache over the whole phase would compute (the size of the
   token trie of all its prompts): the ceiling of a prefix cache kept across calls (not built);
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
-  `text.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
+  `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
   same losses (printed side by side).
 """
@@ -89,7 +89,7 @@ def scripted_sampler():
     """Fixed, well-formed role outputs of realistic length (a forecast ~400 characters, a critique ~300)."""
     from nlac_jax.envs.tau_bench import format_tool_call
     from nlac_jax.nlac.verdict import outcome_line
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     future = ("The agent looks up the order, confirms the items and the payment method with the user, and makes the "
               "exchange the user asked for. The user confirms and the conversation ends. "
               "The database matches the expected state.\n" + outcome_line(True, 1.0))
@@ -128,15 +128,15 @@ def targets_phase(transitions, tokenizer, k: int):
 def layouts(examples, tokenizer, max_len: int, batch_size: int, row_multiple: int, row_len: int):
     import numpy as np
 
-    from nlac_jax import text
+    from nlac_jax.training import batching
     from nlac_jax.training.prefix_packing import pack_shared_prefix
-    items = [text.chat_example(tokenizer, **x.to_training_dict()) for x in examples]
+    items = [batching.chat_example(tokenizer, **x.to_training_dict()) for x in examples]
     pad = tokenizer.pad_token_id or 0
     out = {}
     for name, packer in (("unpacked", None),
                          ("prefix_tree", lambda c: pack_shared_prefix(c, max_len, pad_id=pad, row_len=row_len,
                                                                       row_multiple=row_multiple))):
-        batches, m = text.pack_train_batches(items, np.random.default_rng(0), max_len=max_len,
+        batches, m = batching.pack_train_batches(items, np.random.default_rng(0), max_len=max_len,
                                              batch_size=batch_size, train_steps=None, pad_id=pad, packer=packer)
         out[name] = (batches, m)
     return out
@@ -165,7 +165,8 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
     import jax
     import numpy as np
 
-    from nlac_jax import models, sharding, training
+    from nlac_jax import models, training
+    from nlac_jax.parallel import sharding
     cfg = models.ModelConfig(vocab_size=vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                              num_layers=a.layers, num_heads=a.heads, num_kv_heads=max(1, a.heads // 2),
                              head_dim=a.hidden // a.heads, dtype="bfloat16", param_dtype="float32", remat="full",
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
 
-    from nlac_jax import tiny
+    from nlac_jax.testing import tiny
     transitions, domain = play(a.tasks)
     tok = tiny.make_tiny_tokenizer(vocab_size=a.vocab, extra_corpus=tuple(domain))
     chars = sum(map(len, domain))

@@ -81,7 +81,8 @@ def child_peaks(a) -> dict:
 
 def child_jax(a, dtype: str) -> dict:
     import jax
-    from nlac_jax import models, sharding, training
+    from nlac_jax import models, training
+    from nlac_jax.parallel import sharding
     cfg = models.ModelConfig(**model_dims(a), dtype=dtype, param_dtype="float32", scan_layers=a.scan,
                              remat=a.remat, max_position_embeddings=max(a.seq, 32), tie_word_embeddings=False)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])

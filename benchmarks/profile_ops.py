@@ -30,7 +30,8 @@ def run_train(a, trace_dir: str) -> tuple[float, str]:
     import jax
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import bench_train
-    from nlac_jax import models, sharding, training
+    from nlac_jax import models, training
+    from nlac_jax.parallel import sharding
     b = bench_train.parse([])
     cfg = models.ModelConfig(**bench_train.model_dims(b), dtype=a.dtype, param_dtype="float32", scan_layers=False,
                              max_position_embeddings=b.seq, tie_word_embeddings=False)

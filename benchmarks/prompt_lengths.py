@@ -5,7 +5,8 @@
 
 For each task: the first --tasks tasks of the train and eval splits are reset (scripted oracle / user: no model
 calls), every role prompt is rendered for the initial state with the short dummy texts of the loop's start-up check
-(`nlac_jax.loop.initial_role_prompts`), and the largest rendered chat (characters) and its token count are printed.
+(`nlac_jax.runner.loop.initial_role_prompts`), and the largest rendered chat (characters) and its token count are
+printed.
 This is exactly the part of a prompt that fitting can never elide (system prompt + first user message).
 
 Then each gin/runs/*.gin is read (its LoopConfig.max_len, nlac.RoleSampling.max_new_tokens and task include) and
@@ -30,8 +31,9 @@ TASKS = ("toy", "twenty_questions", "math", "tau_retail", "tau_airline")
 
 def measure(task: str, tokenizer, n_tasks: int) -> dict[str, tuple[int, int]]:
     """role -> (characters, tokens) of the largest initial prompt over the first n_tasks tasks of each split."""
-    from nlac_jax import envs, loop, text
+    from nlac_jax import envs, text
     from nlac_jax.nlac import prompts as prompts_lib
+    from nlac_jax.runner import loop
     source = envs.make_task_source(env_name=task)
     states = loop.initial_states(envs.EnvFactory(task), source, n_tasks)
     ps = prompts_lib.PromptSet(task=task)
@@ -46,7 +48,7 @@ def measure(task: str, tokenizer, n_tasks: int) -> dict[str, tuple[int, int]]:
 
 def read_run_file(path: str) -> dict:
     """The values the check needs from a run gin file (plain regexes: the 7B files need MODEL_DIR for gin)."""
-    from nlac_jax.roles import RoleSampling
+    from nlac_jax.rl.roles import RoleSampling
     src = open(path, encoding="utf-8").read()
     task = re.search(r"include\s+'gin/tasks/(\w+)\.gin'", src)
     max_len = re.search(r"^LoopConfig\.max_len\s*=\s*(\d+)", src, re.MULTILINE)
@@ -68,12 +70,14 @@ def main(argv=None) -> int:
                         "(default 3.0: a pessimistic figure for Qwen2.5 on English + JSON)")
     args = p.parse_args(argv)
 
-    from nlac_jax import text, tiny
+    from nlac_jax import text
     from nlac_jax.nlac import prompts as prompts_lib
+    from nlac_jax.testing import tiny
     if args.model_dir:
         tok, tok_name = text.load_tokenizer(args.model_dir), args.model_dir
     else:
-        tok, tok_name = tiny.make_tiny_tokenizer(), "tiny in-process tokenizer (nlac_jax.tiny; NOT a real model's)"
+        tok = tiny.make_tiny_tokenizer()
+        tok_name = "tiny in-process tokenizer (nlac_jax.testing.tiny; NOT a real model's)"
 
     lengths: dict[str, dict] = {}
     for task in args.only:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run `python -m nlac_jax.train` on every worker. Usage: run_pod.sh [--dry-run] GIN_FILE [more train flags...]
 # Each worker gets --multihost (added when missing) and JAX_NUM_PROCESSES = the slice's worker count (read once
-# with `gcloud ... describe`; NUM_WORKERS overrides it), which nlac_jax.distributed checks against; the coordinator
+# with `gcloud ... describe`; NUM_WORKERS overrides it), which nlac_jax.parallel.distributed checks against; the coordinator
 # address and each worker's process id come from the TPU VM metadata (jax.distributed's auto-detection).
 source "$(dirname "$0")/common.sh"
 gin_file="${1:?usage: run_pod.sh [--dry-run] GIN_FILE [train flags]}"; shift

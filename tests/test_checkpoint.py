@@ -11,8 +11,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from nlac_jax import models, sharding, training
+from nlac_jax import models, training
 from nlac_jax.models import hf_io
+from nlac_jax.parallel import sharding
 from nlac_jax.training import checkpoint as ckpt_lib
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -358,8 +359,8 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
     # before any array is read, with one line naming the field.
     import gin
 
-    import nlac_jax.configurables  # noqa: F401  (registers the configurables)
-    from nlac_jax import loop
+    import nlac_jax.cli.configurables  # noqa: F401  (registers the configurables)
+    from nlac_jax.runner import loop
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = ["LoopConfig.iterations = 1", "LoopConfig.max_len = 640",

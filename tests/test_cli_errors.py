@@ -37,7 +37,8 @@ def _one_line(res, code, *needles):
 @pytest.fixture(scope="module")
 def mismatched_model_dir(tmp_path_factory):
     """An HF directory whose tokenizer (512 tokens) is larger than its embedding (vocab_size=256); no weights."""
-    from nlac_jax import models, tiny
+    from nlac_jax import models
+    from nlac_jax.testing import tiny
     d = tmp_path_factory.mktemp("mismatch")
     cfg = models.ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                              num_kv_heads=1, head_dim=16)
@@ -144,7 +145,11 @@ def test_each_cli_has_its_own_help():
 
 
 def test_every_flag_of_every_cli_has_help():
-    from nlac_jax import evaluate, generate, plot, serve, train
+    from nlac_jax.cli import evaluate
+    from nlac_jax.cli import generate
+    from nlac_jax.cli import plot
+    from nlac_jax.cli import serve
+    from nlac_jax.cli import train
     from nlac_jax.experiments import unit_scale
     for mod in (train, evaluate, generate, plot, serve, unit_scale):
         p = mod.build_parser()
@@ -158,11 +163,13 @@ def test_every_flag_of_every_cli_has_help():
 @pytest.fixture(scope="module")
 def one_iteration_checkpoint(tmp_path_factory):
     """A workdir whose checkpoints hold iteration 1 of the demo's tiny model (saved directly, no run)."""
-    from nlac_jax import sharding, train, training
-    from nlac_jax.models import building
+    from nlac_jax import training
+    from nlac_jax.cli import setup
+    from nlac_jax.runner import building
+    from nlac_jax.parallel import sharding
     wd = tmp_path_factory.mktemp("finished")
     try:
-        train.load_gin(["gin/runs/tiny_random_cpu.gin"], [])
+        setup.load_gin(["gin/runs/tiny_random_cpu.gin"], [])
         cfg, _, _ = building.build_model()
         mesh = sharding.make_mesh()
         opt = training.make_optimizer()

@@ -15,7 +15,7 @@ from nlac_jax.experiments import arms, corpus
 from nlac_jax.nlac import algorithm, critic_scores, evaluation
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.rl import ReplayBuffer
-from nlac_jax.roles import ScriptedRoleSampler, served_params
+from nlac_jax.rl.roles import ScriptedRoleSampler, served_params
 
 PS = PromptSet(task="toy")
 # summaries that START with their Outcome line (the learned-critic experiment's set): the scored critic metrics need
@@ -69,9 +69,9 @@ class _FakeScorer:
 
 
 def test_model_role_sampler_serves_routed_roles_from_the_extra_set():
-    from nlac_jax import tiny
     from nlac_jax.nlac.model_roles import ModelRoleSampler
-    from nlac_jax.roles import RoleSampling
+    from nlac_jax.rl.roles import RoleSampling
+    from nlac_jax.testing import tiny
     gen, scorer = _FakeGen(), _FakeScorer()
     roles = ModelRoleSampler(gen, tiny.make_tiny_tokenizer(), get_params=lambda w: f"W-{w}",
                              settings=RoleSampling(max_new_tokens={"policy": 8}), scorer=scorer)
@@ -93,7 +93,7 @@ def test_model_role_sampler_serves_routed_roles_from_the_extra_set():
 
 
 def test_the_loop_routes_a_whole_iteration_and_restores_afterwards():
-    from nlac_jax import loop
+    from nlac_jax.runner import loop
     seen = []
     stub = types.SimpleNamespace(roles=ScriptedRoleSampler(default="x"), learner=None)
     stub._iteration = lambda it, bars, learner: seen.append(dict(stub.roles.routes)) or ({}, "")
@@ -300,7 +300,7 @@ def tiny_model():
     """A random tiny model and what the sampler generated from three prompts (generated once for both tests)."""
     import jax
     from nlac_jax import models, sampling, text
-    from nlac_jax.models.building import build_model
+    from nlac_jax.runner.building import build_model
     cfg, tok, _ = build_model()
     params = models.random_model(cfg, seed=0).params
     prompts = [text.encode_text(tok, t) for t in ("Guess a number.", "Is it an animal? Yes.", "The answer is")]
@@ -315,7 +315,8 @@ def test_scores_equal_the_samplers_own_logprobs_of_what_it_generated(tiny_model,
     unmodified distribution); scoring those tokens after their prompts through the train step's forward must give
     the same sums (batched, padded, bucketed, on one device or a mesh of 8)."""
     import jax
-    from nlac_jax import models, sharding
+    from nlac_jax import models
+    from nlac_jax.parallel import sharding
     from nlac_jax.training.scoring import Scorer
     cfg, params, prompts, out = tiny_model
     mesh = sharding.make_mesh() if mesh_devices else None

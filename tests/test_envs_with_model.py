@@ -9,10 +9,10 @@ import importlib.util
 import pytest
 
 from nlac_jax import envs, models, sampling
-from nlac_jax.models.building import build_model
+from nlac_jax.runner.building import build_model
 from nlac_jax.nlac import evaluation, model_roles, prompts as prompts_lib
 from nlac_jax.rl import rollout
-from nlac_jax.roles import RoleSampling
+from nlac_jax.rl.roles import RoleSampling
 
 HAVE_TAU = importlib.util.find_spec("tau2") is not None
 

@@ -7,7 +7,8 @@ import os
 import gin
 import pytest
 
-from nlac_jax import models, tiny
+from nlac_jax import models
+from nlac_jax.testing import tiny
 
 GIN = "gin/runs/tiny_random_cpu.gin"
 PARAMS = [
@@ -43,7 +44,9 @@ def test_evaluate_model_dir_equals_the_loops_evaluation_before_training(hf_dir, 
     import jax
     import numpy as np
 
-    from nlac_jax import evaluate, loop, train
+    from nlac_jax.cli import evaluate
+    from nlac_jax.cli import setup
+    from nlac_jax.runner import loop
     runs = []
     original = loop.NLACRun.evaluate
 
@@ -74,7 +77,7 @@ def test_evaluate_model_dir_equals_the_loops_evaluation_before_training(hf_dir, 
     # the reference: what the loop itself logs before its first iteration (LoopConfig.eval_before_training) for a
     # run that starts from these weights: a real TrainState (θ and θ̄ from the directory), the loop's seed for it
     try:
-        train.load_gin([GIN], PARAMS + [f"build_model.model_dir = '{hf_dir}'"])
+        setup.load_gin([GIN], PARAMS + [f"build_model.model_dir = '{hf_dir}'"])
         r = loop.NLACRun(str(tmp_path / "ref"), restore=False)
         assert r.cfg.model_type == "qwen3" and r.cfg.hidden_size == 32
         try:

@@ -152,8 +152,8 @@ def test_behaviour_policy_between_zero_and_bisection():
 def test_agrees_with_nlac_target_builder():
     """The corpus's successor / backup examples are exactly what build_critic_examples produces when the roles
     answer like the scripted experts: same prompts (the sampler looks them up) and same targets."""
-    from nlac_jax.roles import ScriptedRoleSampler
     from nlac_jax.nlac.targets import build_critic_examples
+    from nlac_jax.rl.roles import ScriptedRoleSampler
 
     tasks = GuessNumberTaskSource(N).tasks("train")[7:8]
     ex = C.build_toy_examples(tasks, N, 1, seed=11, alternatives_per_state=0)
@@ -175,9 +175,9 @@ def test_warm_start_smoke(tmp_path):
     import jax
     import numpy as np
 
-    from nlac_jax import sharding
     from nlac_jax.experiments import warm_start as W
-    from nlac_jax.models.building import build_model
+    from nlac_jax.runner.building import build_model
+    from nlac_jax.parallel import sharding
 
     cfg, tok, _ = build_model(hidden_size=64, num_layers=2)
     ex = [e for e in C.toy_corpus(N, 4, seed=0) if e.role in ("policy", "refiner")][:16]
@@ -228,8 +228,8 @@ def test_20q_bank_matches_the_oracle(tq):
 
 
 def test_20q_corpus_train_only_deterministic_and_consistent(tq):
-    from nlac_jax.roles import ScriptedRoleSampler
     from nlac_jax.nlac.targets import build_critic_examples
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     Q, source, ex = tq
     assert _key(Q.twenty_questions_corpus(6, seed=1, task_source=source)) == _key(ex)
     assert not {e.task_id for e in ex} & {t.id for t in source.tasks("test")}

@@ -90,7 +90,7 @@ def test_agrees_with_nlac_target_builder(source):
     """The corpus's backup examples are exactly what build_critic_examples produces when the roles answer like the
     corpus: same prompts (the scripted sampler looks them up) and the same targets, terminal ones included."""
     from nlac_jax.nlac.targets import build_critic_examples
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
     tasks = source.tasks("train")
     ex = F.build_forecast_examples(tasks, N, 0, 1, seed=5)
@@ -166,7 +166,7 @@ def test_waste_probe_by_hand():
     """A scripted critic that forecasts the corpus rule (evens wasted), probed for the RL rule (multiples of 3) on
     1..12: RL-wasted 3, 6, 9, 12 -> said for 6 and 12: 0.5; corpus-only 2, 4, 8, 10 -> 1.0; neither 1, 5, 7, 11 ->
     0.0; the majority forecast agrees with the RL rule for 1, 5, 6, 7, 11, 12: 6 / 12."""
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
 
     def successor(messages, j):
@@ -243,7 +243,7 @@ def test_rule_free_corpus_holds_no_knowledge_of_which_numbers_are_wasted(source)
 def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
     """The RL game wastes the odd numbers (GuessNumberEnv.wasted_numbers), the corpus holds no rule
     (corpus_waste_every=0): a scripted critic that knows the RL rule reads 1 on _rl, 0 on _other, NaN on _corpus."""
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
 
     def successor(messages, j):
@@ -276,7 +276,7 @@ def test_skill_probe_scores_copying_and_reading():
     """A scripted critic that answers every skill prompt as the corpus does scores 1 everywhere; one whose backup
     copies the forecast's reply instead of the real one, and whose evaluator names the first guess of the history,
     loses exactly those skills and keeps the others."""
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
     ex = F.build_forecast_examples(F._train_tasks(N, None), N, 0, 24, 99, prompts=ps)
     table = {(e.role, json.dumps(e.prompt_messages)): e.target_text for e in ex}
@@ -310,7 +310,7 @@ def test_skill_probe_reads_the_range_critique():
     """p_out_of_range > 0: a scripted evaluator that answers as the range-judging corpus does scores 1 on the
     out-of-range prompts; one that ignores the range (the waste-only critique) is right there only where the
     forecast happens to say "no answer" (a random waste set: about a third)."""
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
     tasks = F._train_tasks(N, None)
     ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, p_out_of_range=0.5)

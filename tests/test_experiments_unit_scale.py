@@ -84,9 +84,9 @@ def test_make_learner_rejects_unknown_arms():
 def xcfg_warm_steps(gin_file: str) -> int:
     """UnitScaleConfig.warm_steps as the gin file binds it."""
     import gin
-    from nlac_jax import train
+    from nlac_jax.cli import setup
     try:
-        train.load_gin([gin_file], [], check_run=False)
+        setup.load_gin([gin_file], [], check_run=False)
         from nlac_jax.experiments.config import UnitScaleConfig
         return UnitScaleConfig().warm_steps
     finally:

@@ -1,5 +1,5 @@
-"""nlac_jax.fs (local paths and gs:// alike, against a real GCS API: fake-gcs-server on 127.0.0.1), HF model
-directories on gs://, and the one-run-per-workdir lock (nlac_jax.run_lock) on both."""
+"""nlac_jax.storage.fs (local paths and gs:// alike, against a real GCS API: fake-gcs-server on 127.0.0.1), HF model
+directories on gs://, and the one-run-per-workdir lock (nlac_jax.runner.run_lock) on both."""
 
 import json
 import os
@@ -13,9 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from nlac_jax import fs, models, run_lock, sharding, tiny
-from nlac_jax.distributed import Processes
+from nlac_jax import models
 from nlac_jax.models import hf_io
+from nlac_jax.parallel import sharding
+from nlac_jax.parallel.distributed import Processes
+from nlac_jax.runner import run_lock
+from nlac_jax.storage import fs
+from nlac_jax.testing import tiny
 
 from gcs_emulator import GcsEmulator
 
@@ -139,7 +143,7 @@ def test_hf_model_directory_on_gcs(tmp_path, gcs):
 # ----------------------------------------------------------------------------- one run per workdir
 _HOLDER = """
 import sys
-from nlac_jax import run_lock
+from nlac_jax.runner import run_lock
 lock = run_lock.acquire(sys.argv[1])
 print("held", flush=True)
 sys.stdin.readline()

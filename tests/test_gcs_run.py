@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from nlac_jax import fs
 from nlac_jax.models import hf_io
+from nlac_jax.storage import fs
 
 import test_multihost as tm
 from gcs_emulator import GcsEmulator

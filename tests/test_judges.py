@@ -18,12 +18,13 @@ import jax
 import pytest
 import requests
 
-from nlac_jax import envs, models, sampling, text, tiny
+from nlac_jax import envs, models, sampling, text
 from nlac_jax.judges import JudgeError, OpenAIChatModel, ResponseCache, request_key
 from nlac_jax.judges.server import JudgeServer
-from nlac_jax.models import building
+from nlac_jax.runner import building
 from nlac_jax.nlac import evaluation, prompts as prompts_lib
 from nlac_jax.rl import rollout
+from nlac_jax.testing import tiny
 from xla_test_flags import xla_flags
 
 HAVE_TAU = importlib.util.find_spec("tau2") is not None
@@ -199,12 +200,13 @@ def test_served_on_a_mesh_and_in_bfloat16_answers_as_the_single_device_float32_o
     logits are the float32 model's to bfloat16 precision, and it answers."""
     import numpy as np
 
-    from nlac_jax import serve, sharding
+    from nlac_jax.judges import server
+    from nlac_jax.parallel import sharding
     _, url = served
     chats = [[{"role": "user", "content": f"question {i}: is it a kind of {w}?"}]
              for i, w in enumerate(["fruit", "tool", "bird", "river", "planet", "song"])]
     ref = _client(url).complete(chats)
-    mesh = serve.make_mesh(tensor=2, fsdp=2)
+    mesh = server.make_mesh(tensor=2, fsdp=2)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
     tp = JudgeServer(models.load_pretrained(model_dir, mesh=mesh), NAME, mesh=mesh, max_batch=4, batch_wait_s=0.2,
                      default_max_tokens=8)
@@ -227,7 +229,7 @@ def test_served_on_a_mesh_and_in_bfloat16_answers_as_the_single_device_float32_o
     q = tp.model.params["layers"]["attn"]["q_proj"]["kernel"]
     assert "tensor" in str(q.sharding.spec), q.sharding
 
-    mesh2 = serve.make_mesh(tensor=2, fsdp=1)
+    mesh2 = server.make_mesh(tensor=2, fsdp=1)
     bf = models.load_pretrained(model_dir, dtype="bfloat16", mesh=mesh2)
     assert {str(x.dtype) for x in jax.tree.leaves(bf.params)} == {"bfloat16"}
     f32 = models.load_pretrained(model_dir)
@@ -278,13 +280,13 @@ def test_cache_dir_expands_home(monkeypatch, tmp_path):
 
 
 def _play(factory, name, client, max_turns=2):
-    from nlac_jax.roles import RoleSampling
+    from nlac_jax.rl.roles import RoleSampling
 
     class Scripted:  # a policy that asks a fixed question: the episode's text comes from the endpoint's answers
         settings = RoleSampling()
 
         def sample(self, messages_batch, params, role, n=1, settings=None):
-            from nlac_jax.roles import Completion
+            from nlac_jax.rl.roles import Completion
             return [Completion("Is it an animal?", "stop_token") for _ in messages_batch for _ in range(n)]
 
     source = envs.make_task_source(name)

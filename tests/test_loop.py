@@ -11,7 +11,8 @@ import gin
 import numpy as np
 import pytest
 
-from nlac_jax import train
+
+from nlac_jax.cli import setup
 from nlac_jax.models import hf_io
 from xla_test_flags import xla_flags
 
@@ -98,7 +99,7 @@ def test_one_iteration_end_to_end_8_devices(tmp_path):
 
 
 def test_metrics_writer_keeps_only_finished_rows(tmp_path):
-    from nlac_jax.metrics import MetricsWriter
+    from nlac_jax.observability.metrics import MetricsWriter
     path = tmp_path / "metrics.jsonl"
     rows = "".join(json.dumps({"iteration": i}) + "\n" for i in (0, 1, 2, 3))
     path.write_text(rows)
@@ -199,10 +200,10 @@ def test_sigterm_saves_agreed_iteration_and_resumes(tmp_path, uninterrupted_run)
 
 
 def test_gin_typo_fails_fast_with_clear_message():
-    from nlac_jax import compilations
+    from nlac_jax.parallel import compilations
     before = compilations.snapshot()
-    with pytest.raises(train.GinConfigError) as e:
-        train.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.iteratons = 3"])
+    with pytest.raises(setup.GinConfigError) as e:
+        setup.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.iteratons = 3"])
     msg = str(e.value)
     assert "iteratons" in msg and "\n" not in msg
     assert not compilations.since(before)  # "fast": refused before anything is compiled (counted, not timed)
@@ -210,23 +211,23 @@ def test_gin_typo_fails_fast_with_clear_message():
 
 
 def test_gin_missing_required_binding_and_malformed_file(tmp_path):
-    with pytest.raises(train.GinConfigError) as e:
-        train.load_gin(["gin/runs/qwen2_5_7b_twenty_questions.gin"], JUDGE)
+    with pytest.raises(setup.GinConfigError) as e:
+        setup.load_gin(["gin/runs/qwen2_5_7b_twenty_questions.gin"], JUDGE)
     assert "MODEL_DIR" in str(e.value) or "model_dir" in str(e.value)
     gin.clear_config()
     # the judge endpoint is a required binding of the 7B and 32B runs: unset, one line names it
     for f in ("qwen2_5_7b_twenty_questions.gin", "qwen2_5_7b_tau_retail_to_airline.gin", "qwq_32b_tau_retail.gin"):
         if "tau" in f:
             pytest.importorskip("tau2")
-        with pytest.raises(train.GinConfigError) as e:
-            train.load_gin([f"gin/runs/{f}"], ["MODEL_DIR = '/no/model'"] + JUDGE[1:])
+        with pytest.raises(setup.GinConfigError) as e:
+            setup.load_gin([f"gin/runs/{f}"], ["MODEL_DIR = '/no/model'"] + JUDGE[1:])
         msg = str(e.value)
         assert "JUDGE_URL" in msg and "\n" not in msg, msg
         gin.clear_config()
     bad = tmp_path / "bad.gin"
     bad.write_text("LoopConfig.iterations = = 3\n")
-    with pytest.raises(train.GinConfigError) as e:
-        train.load_gin([str(bad)], [])
+    with pytest.raises(setup.GinConfigError) as e:
+        setup.load_gin([str(bad)], [])
     assert "bad.gin" in str(e.value)
     gin.clear_config()
 
@@ -245,7 +246,7 @@ def test_every_task_gin_file_parses_with_the_tiny_model(task):
     if task.startswith("tau_"):
         pytest.importorskip("tau2")
     try:
-        train.load_gin(["gin/models/tiny_random.gin", f"gin/tasks/{task}.gin"], [])
+        setup.load_gin(["gin/models/tiny_random.gin", f"gin/tasks/{task}.gin"], [])
     finally:
         gin.clear_config()
 
@@ -259,34 +260,35 @@ def test_every_run_gin_file_parses(tmp_path):
             from nlac_jax import models
             m = models.random_model(models.ModelConfig(vocab_size=576, hidden_size=32, intermediate_size=64,
                                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16))
-            m.tokenizer = __import__("nlac_jax.tiny", fromlist=["x"]).make_tiny_tokenizer()
+            m.tokenizer = __import__("nlac_jax.testing.tiny", fromlist=["x"]).make_tiny_tokenizer()
             m.save_pretrained(str(model_dir))
         # the tiny stand-in is not the model the file's build_model.hf_config describes: drop that check here
         stand_in = JUDGE + [f"MODEL_DIR = '{model_dir}'", "build_model.hf_config = None",
                     f"MATH_TRAIN_JSONL = '{tmp_path / 'train.jsonl'}'", f"MATH_TEST_JSONL = '{tmp_path / 'test.jsonl'}'"]
         try:
-            train.load_gin([f"gin/runs/{f}"], stand_in if f.startswith(("qwen", "qwq")) else [])
+            setup.load_gin([f"gin/runs/{f}"], stand_in if f.startswith(("qwen", "qwq")) else [])
         finally:
             gin.clear_config()
 
 
 def test_pack_one_pass_and_updates_per_target():
     import numpy as np_
-    from nlac_jax import text, tiny
+    from nlac_jax.training import batching
+    from nlac_jax.testing import tiny
 
-    def ex(i, target="Is it a cat?"):  # a text.Example, as the loop builds them from the learner's examples
-        return text.chat_example(tok, [{"role": "user", "content": f"question {i}"}], target, kind=i % 2)
+    def ex(i, target="Is it a cat?"):  # a batching.Example, as the loop builds them from the learner's examples
+        return batching.chat_example(tok, [{"role": "user", "content": f"question {i}"}], target, kind=i % 2)
 
     tok = tiny.make_tiny_tokenizer()
     examples = [ex(i) for i in range(10)] + [ex(99, target="word " * 300)]  # the last cannot fit max_len
-    batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
+    batches, m = batching.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
                                          train_steps=None, pad_id=tok.pad_token_id or 0)
     assert [b.num_examples for b in batches] == [4, 4, 2] and all(b.shape[0] == 4 for b in batches)
     n_tok = sum(len(x.prompt_ids) + len(x.target_ids) for x in examples[:10])
     assert m == {"train/examples": 10, "train/updates_per_target": 1.0, "train/dropped_examples": 1,
                  "train/tokens_presented": n_tok, "train/tokens_computed": n_tok}  # no packer: every token computed
     # explicit train_steps: cycles, reuses
-    batches, m = text.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
+    batches, m = batching.pack_train_batches(examples, np_.random.default_rng(0), max_len=128, batch_size=4,
                                          train_steps=5, pad_id=tok.pad_token_id or 0)
     assert len(batches) == 5 and m["train/updates_per_target"] == 5 * 4 / 10
 

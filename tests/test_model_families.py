@@ -178,13 +178,15 @@ def test_every_family_turn_end_token_is_known_to_text():
 def test_gemma_chat_format_no_system_role():
     """Gemma's template has no system role: the system text opens the first user turn; turns end with
     <end_of_turn>, which training targets end with and the sampler stops on; roles must alternate."""
-    from nlac_jax import text, tiny
+    from nlac_jax import text
+    from nlac_jax.training import batching
+    from nlac_jax.testing import tiny
     tok = tiny.make_tiny_tokenizer(chat_format="gemma")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = tok.decode(text.encode_chat(tok, msgs, add_generation_prompt=True))
     assert rendered == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     end = tok.convert_tokens_to_ids("<end_of_turn>")
     assert text.turn_end_token_id(tok) == end and end in text.stop_token_ids(tok)
-    assert text.chat_example(tok, msgs, "Hello").target_ids[-1] == end
+    assert batching.chat_example(tok, msgs, "Hello").target_ids[-1] == end
     with pytest.raises(Exception, match="alternate"):
         text.encode_chat(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

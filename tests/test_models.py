@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers
 
-from nlac_jax import models, sharding
+from nlac_jax import models
 from nlac_jax.models import decoder, hf_io
+from nlac_jax.parallel import sharding
 
 from hf_reference import batch, hf_logits, make_hf_model, refusal_message
 

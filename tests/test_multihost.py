@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from nlac_jax import distributed
 from nlac_jax.models import hf_io
+from nlac_jax.parallel import distributed
 from xla_test_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

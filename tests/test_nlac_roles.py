@@ -1,4 +1,4 @@
-"""The RoleSampler interface (nlac_jax.roles), the trainer's ModelRoleSampler and rollout's call sites.
+"""The RoleSampler interface (nlac_jax.rl.roles), the trainer's ModelRoleSampler and rollout's call sites.
 
 What matters here is that every completion carries its stop reason from the sampler to NLAC's target builder,
 so a text cut off at its token budget can be refused as a training target.
@@ -10,11 +10,12 @@ import types
 import numpy as np
 import pytest
 
-from nlac_jax import text, tiny
+from nlac_jax import text
 from nlac_jax.envs.base import EnvBase, Episode, StepResult, Task, Transition
 from nlac_jax.nlac import evaluation, prompts as P
 from nlac_jax.nlac.model_roles import ModelRoleSampler
-from nlac_jax.roles import Completion, RoleSampler, RoleSampling, ScriptedRoleSampler, check_samples, group, texts
+from nlac_jax.rl.roles import Completion, RoleSampler, RoleSampling, ScriptedRoleSampler, check_samples, group, texts
+from nlac_jax.testing import tiny
 
 PS = P.PromptSet()
 CHAT = [{"role": "user", "content": "Hello?"}]

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from nlac_jax.nlac import prompts as P
-from nlac_jax.roles import Completion, ScriptedRoleSampler, group
+from nlac_jax.rl.roles import Completion, ScriptedRoleSampler, group
 from nlac_jax.nlac.targets import (
     CriticExample,
     PolicyExample,
@@ -25,8 +25,8 @@ from nlac_jax.nlac.targets import (
     trainable,
     truncate_summary,
 )
-from nlac_jax.nlac.verdict import parse_outcome
 from nlac_jax.envs.transition import Transition
+from nlac_jax.nlac.verdict import parse_outcome
 
 PS = P.PromptSet()
 SYS = {"role": "system", "content": "Play 20 Questions: find the hidden animal."}

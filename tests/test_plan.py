@@ -9,7 +9,13 @@ import gin
 import jax
 import pytest
 
-from nlac_jax import cli, footprint, models, plan, sampling, sharding, tpu_specs, training
+from nlac_jax import models, sampling, training
+from nlac_jax.cli import common as cli
+from nlac_jax.cli import plan
+from nlac_jax.parallel import sharding
+from nlac_jax.planning import footprint
+from nlac_jax.planning import planner
+from nlac_jax.planning import tpu_specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -51,17 +57,17 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
         monkeypatch.setenv(var, os.environ.get(var, ""))
         monkeypatch.delenv(var)
     slc = tpu_specs.parse_slice("v5p-8")
-    devices = plan.topology_devices(slc)
+    devices = planner.topology_devices(slc)
     assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=devices)
     cfg = _small_cfg()
     opt = training.make_optimizer()
     step = training.make_train_step(cfg, mesh, opt, num_microbatches=2, loss_chunk=32)
     state = training.abstract_train_state(cfg, mesh, opt)
-    batch = plan.abstract_batch(mesh, 8, 64)
+    batch = planner.abstract_batch(mesh, 8, 64)
     with sharding.use_mesh(mesh):
-        train, compiled = plan.compile_one("train step", "", lambda: step.jitted.lower(state, batch))
-    sb = plan.state_bytes(state, compiled)  # what the planner reports per chip (TPU layouts are tiled)
+        train, compiled = planner.compile_one("train step", "", lambda: step.jitted.lower(state, batch))
+    sb = planner.state_bytes(state, compiled)  # what the planner reports per chip (TPU layouts are tiled)
     theta = sb["params"]
     assert sb["target_params"] == theta  # θ̄ is sharded like θ
     assert 2 * theta <= sb["opt_state"] <= 2 * theta + 4096  # two Adam moments like θ (+ the step count)
@@ -77,7 +83,7 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
     sampler = sampling.Sampler(cfg, mesh=mesh)
     assert sampler.layer_loop == "scan"  # TPU devices: the scanned layer loop
     params = sampler.weights_for_inference(state.params)  # what Sampler.run_params hands the executables
-    prefill, dec = plan.compile_sampler("sampler", sampler, cfg, mesh, params, 8, 32, 16)
+    prefill, dec = planner.compile_sampler("sampler", sampler, cfg, mesh, params, 8, 32, 16)
     copy = footprint.bytes_per_chip(params, dec.compiled.input_formats[0][0])
     # the bf16 inference copy of θ: half of θ's bytes, but for the float32 norm scales (and their tiles)
     assert theta // 2 <= copy < 0.55 * theta, (copy, theta)
@@ -129,7 +135,7 @@ def test_slice_table():
 @pytest.mark.parametrize("name, billions", [("qwen2_5_0_5b", 0.494), ("qwen2_5_1_5b", 1.544), ("qwen2_5_3b", 3.086),
                                             ("qwen2_5_7b", 7.616), ("qwq_32b", 32.764)])
 def test_model_gin_files_carry_their_config(name, billions):
-    from nlac_jax.models import building
+    from nlac_jax.runner import building
     try:
         gin.parse_config_files_and_bindings([os.path.join(REPO, "gin", "models", f"{name}.gin")], ["MODEL_DIR = None"])
         cfg, tok, model_dir = building.build_model()
@@ -140,8 +146,8 @@ def test_model_gin_files_carry_their_config(name, billions):
 
 
 def test_hf_config_mismatch_with_model_dir_is_refused(tmp_path):
-    from nlac_jax import tiny
-    from nlac_jax.models import building
+    from nlac_jax.runner import building
+    from nlac_jax.testing import tiny
     m = models.random_model(models.ModelConfig(vocab_size=576, hidden_size=32, intermediate_size=64, num_layers=1,
                                                num_heads=2, num_kv_heads=1, head_dim=16))
     m.tokenizer = tiny.make_tiny_tokenizer()
@@ -170,7 +176,7 @@ TINY_HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden
 
 def _tiny_model_gin(tmp_path, **hf) -> str:
     path = tmp_path / "tiny_hf.gin"
-    path.write_text("import nlac_jax.models.building\nMODEL_DIR = None\nbuild_model.model_dir = %MODEL_DIR\n"
+    path.write_text("import nlac_jax.runner.building\nMODEL_DIR = None\nbuild_model.model_dir = %MODEL_DIR\n"
                     f"build_model.hf_config = {dict(TINY_HF, **hf)!r}\n")
     return str(path)
 
@@ -184,10 +190,10 @@ def test_serve_plan_tpu_bytes_equal_the_compiled_decode(no_persistent_cache, mon
         monkeypatch.setenv(var, os.environ.get(var, ""))
         monkeypatch.delenv(var)
     slc = tpu_specs.parse_slice("v5p-8")
-    devices = plan.topology_devices(slc)
-    cfg = plan.serve_config(TINY_HF, "bfloat16", "test")
+    devices = planner.topology_devices(slc)
+    cfg = planner.serve_config(TINY_HF, "bfloat16", "test")
     assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "bfloat16")  # the server stores what it computes in
-    p = plan.make_serve_plan(slc, devices, "test", cfg, tensor=4, fsdp=1, max_batch=8, prompt_len=100, new_tokens=30)
+    p = planner.make_serve_plan(slc, devices, "test", cfg, tensor=4, fsdp=1, max_batch=8, prompt_len=100, new_tokens=30)
     assert p.mesh_shape == {"data": 1, "fsdp": 1, "tensor": 4}
     pre, dec = p.executables
     assert dec.arguments == p.weights + p.decode_state + p.controls

@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from nlac_jax import models, sampling, sharding, tiny
+from nlac_jax import models, sampling
+from nlac_jax.parallel import sharding
+from nlac_jax.testing import tiny
 
 from hf_reference import hf_greedy, make_hf_model
 

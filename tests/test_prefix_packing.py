@@ -8,17 +8,19 @@ import jax
 import numpy as np
 import pytest
 
-from nlac_jax import models, sharding, text, training
+from nlac_jax import models, training
+from nlac_jax.training import batching
 from nlac_jax.models import decoder
+from nlac_jax.parallel import sharding
 from nlac_jax.training import loss as loss_lib
 from nlac_jax.training import prefix_packing as pp
 
 from hf_reference import make_hf_model
 
 P20 = list(range(1, 21))
-HAND = [text.Example(P20 + [30], [40, 41], kind=0, weight=1.0),
-        text.Example(P20 + [31, 32], [42], kind=1, weight=2.0),
-        text.Example([50, 51], [52], kind=0, weight=0.5)]
+HAND = [batching.Example(P20 + [30], [40, 41], kind=0, weight=1.0),
+        batching.Example(P20 + [31, 32], [42], kind=1, weight=2.0),
+        batching.Example([50, 51], [52], kind=0, weight=0.5)]
 
 
 def test_layout_by_hand():
@@ -33,7 +35,7 @@ def test_layout_by_hand():
     np.testing.assert_array_equal(b.weight[0, 20:29], [1, 1, 1, 2, 2, 2, 0.5, 0.5, 0.5])
     assert b.attention_mask.sum() == 29 and not b.attention_mask[1].any() and b.num_examples == 3
     # counts as the loss counts them: critic 2 + 1 target tokens in 2 examples, policy 1 token in 1 example
-    np.testing.assert_array_equal(text.kind_counts(b.loss_mask, b.kind, b.node_ids), [[3, 2], [1, 1]])
+    np.testing.assert_array_equal(batching.kind_counts(b.loss_mask, b.kind, b.node_ids), [[3, 2], [1, 1]])
     assert pp.packing_stats(HAND, b) == {"tokens_presented": 23 + 23 + 3, "tokens_computed": 29, "slots": 64}
 
 
@@ -53,8 +55,8 @@ def test_mask_by_hand():
 def test_tree_shares_every_depth_and_keeps_a_prompt_token_per_leaf():
     a, b_, c = list(range(1, 31)), list(range(31, 41)), list(range(41, 46))
     # an episode's states are prefixes of each other; two examples with the same prompt; an unrelated one
-    ex = [text.Example(a, [7]), text.Example(a + b_, [8]), text.Example(a + b_ + c, [9, 9]),
-          text.Example(a + b_, [5, 5], kind=1), text.Example([99, 98], [1])]
+    ex = [batching.Example(a, [7]), batching.Example(a + b_, [8]), batching.Example(a + b_ + c, [9, 9]),
+          batching.Example(a + b_, [5, 5], kind=1), batching.Example([99, 98], [1])]
     forest = pp.prefix_forest(ex)
     # a[:29] -> {leaf [30, 7]; a[29] + b[:9] -> {leaf [40, 8]; leaf [40, 5, 5]; leaf [40] + c + [9, 9]}}; [99, 98, 1]
     assert sorted(n.size for n in forest) == [3, 29 + 2 + 10 + 2 + 3 + 8]
@@ -62,11 +64,12 @@ def test_tree_shares_every_depth_and_keeps_a_prompt_token_per_leaf():
     # tokens computed = the prompts' trie (45 + 2 distinct prefixes), the last prompt token repeated in each leaf
     # whose prompt is a prefix of another's (30 once, 40 twice), and the 7 target tokens
     assert int(b.attention_mask.sum()) == 47 + 3 + 7
-    assert pp.prefix_forest([text.Example(a, [1]), text.Example(a, [2])])[0].tokens == a[:-1]
+    assert pp.prefix_forest([batching.Example(a, [1]), batching.Example(a, [2])])[0].tokens == a[:-1]
     with pytest.raises(ValueError, match="example 0 does not fit"):
-        pp.pack_shared_prefix([text.Example(P20, [1] * 50)], max_len=64)
+        pp.pack_shared_prefix([batching.Example(P20, [1] * 50)], max_len=64)
     with pytest.raises(ValueError, match="need more than batch_size=1 rows of 16 tokens"):
-        pp.pack_shared_prefix([text.Example([1] * 8, [2] * 8), text.Example([3] * 8, [4] * 8)], 16, batch_size=1)
+        two = [batching.Example([1] * 8, [2] * 8), batching.Example([3] * 8, [4] * 8)]
+        pp.pack_shared_prefix(two, 16, batch_size=1)
 
 
 def test_a_tree_longer_than_a_row_is_split_and_keeps_the_losses(model_dir):
@@ -81,7 +84,7 @@ def test_a_tree_longer_than_a_row_is_split_and_keeps_the_losses(model_dir):
     assert packed.attention_mask.sum() > whole.attention_mask.sum()
     rows, cols = np.nonzero(packed.loss_mask)
     assert len(set(zip(rows.tolist(), packed.node_ids[rows, cols].tolist()))) == len(ex)
-    unpacked = text.pack_examples(ex, max_len=48, batch_size=16)
+    unpacked = batching.pack_examples(ex, max_len=48, batch_size=16)
     for norm in ("token", "sequence"):
         l_u, g_u, _ = _grads(cfg, params, unpacked, norm)
         l_p, g_p, _ = _grads(cfg, params, packed, norm)
@@ -97,7 +100,7 @@ def random_examples(vocab, seed, n=14):
     for i in range(n):
         head = heads[i % 3] if i < n - 2 else list(r.randint(1, vocab, 6))  # two loners
         p = head + list(r.randint(1, vocab, r.randint(1, 6)))
-        out.append(text.Example(p, list(r.randint(1, vocab, r.randint(1, 5))), kind=int(r.randint(0, 2)),
+        out.append(batching.Example(p, list(r.randint(1, vocab, r.randint(1, 5))), kind=int(r.randint(0, 2)),
                                 weight=float(r.choice([0.5, 1.0, 2.0]))))
     return out
 
@@ -133,7 +136,7 @@ def assert_grads_close(got, want):
 def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
     cfg, params = family_model(model_dir, family, scan)
     ex = random_examples(cfg.vocab_size, seed=1)
-    unpacked = text.pack_examples(ex, max_len=64, batch_size=16)
+    unpacked = batching.pack_examples(ex, max_len=64, batch_size=16)
     packed = pp.pack_shared_prefix(ex, max_len=64, batch_size=8)
     assert packed.attention_mask.sum() < 0.6 * unpacked.attention_mask.sum()  # the case shares a lot
     for norm in ("token", "sequence"):
@@ -148,7 +151,7 @@ def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
 def test_packed_losses_hand_computed(model_dir):
     """L1, L2 of the packed hand case from each example's own forward pass (token normalisation)."""
     cfg, params = family_model(model_dir, "qwen2", False)
-    ex = [text.Example(x.prompt_ids, x.target_ids, x.kind, x.weight) for x in HAND]
+    ex = [batching.Example(x.prompt_ids, x.target_ids, x.kind, x.weight) for x in HAND]
     nll = {0: [], 1: []}
     for x in ex:
         ids = np.asarray([x.prompt_ids + x.target_ids], np.int32)
@@ -171,7 +174,7 @@ def test_packed_on_8_devices_equals_1_device(model_dir):
 
 def test_coefficients_match_unpacked_per_target_token():
     ex = random_examples(100, seed=3)
-    u = text.pack_examples(ex, max_len=64, batch_size=16)
+    u = batching.pack_examples(ex, max_len=64, batch_size=16)
     p = pp.pack_shared_prefix(ex, max_len=64, batch_size=8)
     for norm in ("token", "sequence"):
         cu, _ = loss_lib.loss_coefficients(u.loss_mask, u.kind, u.weight, norm, u.denom_tokens, u.denom_examples)
@@ -196,7 +199,7 @@ def test_iteration_with_shared_prefixes_trains_like_unpacked():
         step = training.make_train_step(cfg, mesh, opt)
         for packed in (False, True):
             packer = (lambda c: pp.pack_shared_prefix(c, 64, row_multiple=step.data_parallel)) if packed else None
-            batches, m = text.pack_train_batches(ex, np.random.default_rng(0), max_len=64, batch_size=8,
+            batches, m = batching.pack_train_batches(ex, np.random.default_rng(0), max_len=64, batch_size=8,
                                                  train_steps=5, packer=packer)
             state = training.create_train_state(cfg, mesh, opt, params=models.init_params(cfg, seed=0))
             losses = []

@@ -10,7 +10,7 @@ import pytest
 
 from nlac_jax.nlac import prompts as P
 from nlac_jax.nlac.targets import TargetConfig
-from nlac_jax.roles import RoleSampling
+from nlac_jax.rl.roles import RoleSampling
 from nlac_jax.nlac.verdict import (
     clean_action,
     format_return,
@@ -461,7 +461,7 @@ def test_terminal_summaries_never_quote_a_hidden_answer(name):
     task's own template and under the default one (which quotes the observation verbatim)."""
     from nlac_jax.envs.transition import Transition
     from nlac_jax.nlac.targets import build_critic_examples
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
 
     st, action, _, _, ends = _scenario(name)
     lost = [r for r in ends if not r.info.get("success")]
@@ -604,11 +604,13 @@ def test_prompt_budgets_reserve_the_longest_target_of_each_prompt():
 
 
 def test_every_role_is_fitted_and_acting_equals_training():
-    from nlac_jax import text, tiny
-    from nlac_jax.nlac import targets
+    from nlac_jax import text
+    from nlac_jax.training import batching
     from nlac_jax.envs.transition import Transition
+    from nlac_jax.nlac import targets
     from nlac_jax.nlac import evaluation
-    from nlac_jax.roles import ScriptedRoleSampler
+    from nlac_jax.rl.roles import ScriptedRoleSampler
+    from nlac_jax.testing import tiny
 
     tok = tiny.make_tiny_tokenizer()
     ps = P.PromptSet(task="twenty_questions")
@@ -629,7 +631,7 @@ def test_every_role_is_fitted_and_acting_equals_training():
     assert "earlier messages omitted to fit the context" in acting[1]["content"] and acting[0] == state[0]
     assert acting[-1] == state[-1] and len(acting) < len(state)
     # and it packs at max_len with the refinement target: nothing left to cut
-    packed = text.pack_examples([text.chat_example(tok, **ex.to_training_dict())], max_len)
+    packed = batching.pack_examples([batching.chat_example(tok, **ex.to_training_dict())], max_len)
     assert packed.num_truncated == 0
     # every chat role fits its own budget
     rendered = {
@@ -646,7 +648,10 @@ def test_every_role_is_fitted_and_acting_equals_training():
 
 
 def test_startup_check_refuses_an_impossible_max_len_naming_the_role():
-    from nlac_jax import envs, loop, text, tiny
+    from nlac_jax import envs
+    from nlac_jax import text
+    from nlac_jax.runner import loop
+    from nlac_jax.testing import tiny
 
     tok = tiny.make_tiny_tokenizer()
     factory, source = envs.EnvFactory("toy"), envs.make_task_source(env_name="toy")
@@ -669,9 +674,10 @@ def test_startup_check_refuses_an_impossible_max_len_naming_the_role():
 
 
 def test_run_refuses_to_start_when_max_len_is_too_small(tmp_path):
-    from nlac_jax import loop, train
+    from nlac_jax.cli import setup
+    from nlac_jax.runner import loop
 
-    train.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.max_len = 200"])
+    setup.load_gin(["gin/runs/tiny_random_cpu.gin"], ["LoopConfig.max_len = 200"])
     with pytest.raises(ValueError, match=r"start-up check: task 'toy'.*initial '(policy|successor|backup|evaluator|refiner)'"):
         loop.NLACRun(str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()

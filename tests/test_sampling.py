@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nlac_jax import models, sampling, sharding, tiny
+from nlac_jax import models, sampling
+from nlac_jax.parallel import sharding
+from nlac_jax.testing import tiny
 
 from hf_reference import hf_greedy, make_hf_model
 
@@ -493,7 +495,7 @@ def test_context_overflow_policies(qwen):
 
 def test_cli_writes_ids_and_text(qwen, tmp_path):
     _, m, d = qwen
-    from nlac_jax import generate as cli
+    from nlac_jax.cli import generate as cli
     pf = tmp_path / "prompts.txt"
     # 4 prompts, the longest > 16 tokens: the buckets of the other tests (no new compilation)
     pf.write_text("Is it a dog?\nHello there\nGuess the number between 1 and 100. I guess 50.\nYes.\n")

@@ -26,8 +26,8 @@ def test_core_imports_never_load_tensorflow():
     """nlac_jax.data and the core modules import without TensorFlow / seqio, even where they are installed."""
     code = textwrap.dedent("""
         import sys
-        import nlac_jax.data, nlac_jax.envs, nlac_jax.loop, nlac_jax.configurables
         from nlac_jax.data import SEQIO_TASK_NAMES, env_name_from_seqio, seqio_task_name, task_source_from_seqio
+        import nlac_jax.data, nlac_jax.envs, nlac_jax.runner.loop, nlac_jax.cli.configurables
         assert env_name_from_seqio('nlac_tau_retail') == 'tau_retail' and seqio_task_name('math') == 'nlac_math'
         heavy = sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'seqio', 'tensorflow_text',
                                                                  'tensorflow_datasets', 'keras'})

@@ -3,7 +3,9 @@
 
 import pytest
 
-from nlac_jax import models, plan, sampling, sharding, training
+from nlac_jax import models, sampling, training
+from nlac_jax.parallel import sharding
+from nlac_jax.planning import planner
 
 MARKER = "Involuntary full rematerialization"
 
@@ -18,11 +20,11 @@ def test_no_involuntary_full_rematerialization(tied, capfd, no_persistent_cache)
     state = training.abstract_train_state(cfg, mesh, opt)
     capfd.readouterr()
     with sharding.use_mesh(mesh):
-        step.jitted.lower(state, plan.abstract_batch(mesh, 8, 32)).compile()
+        step.jitted.lower(state, planner.abstract_batch(mesh, 8, 32)).compile()
     params = state.params
     for loop in ("unrolled", "scan"):  # the CPU's layer loop and the TPU's
         sampler = sampling.Sampler(cfg, mesh=mesh, layer_loop=loop)
-        plan.compile_sampler(f"sampler ({loop})", sampler, cfg, mesh, params, 8, 16, 16)
+        planner.compile_sampler(f"sampler ({loop})", sampler, cfg, mesh, params, 8, 16, 16)
     err = capfd.readouterr().err
     hits = [line for line in err.splitlines() if MARKER in line]
     assert not hits, f"{len(hits)} warnings, first: {hits[0][:500]}"

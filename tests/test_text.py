@@ -1,4 +1,4 @@
-"""Tests for nlac_jax.tiny (in-process tokenizer) and nlac_jax.text (chat templates, packing, padding)."""
+"""Tests for nlac_jax.testing.tiny (in-process tokenizer) and nlac_jax.text (chat templates, packing, padding)."""
 
 import hashlib
 import json
@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import transformers
 
-from nlac_jax import text, tiny
+from nlac_jax import text
+from nlac_jax.training import batching
+from nlac_jax.testing import tiny
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,7 +110,7 @@ def test_fresh_object_per_call_same_ids(tok):
 def test_training_is_deterministic_across_processes(tok):
     # A fresh interpreter with a different hash seed and a single tokenizers thread must train the same vocab.
     code = (
-        "import hashlib; from nlac_jax import tiny; "
+        "import hashlib; from nlac_jax.testing import tiny; "
         "print(hashlib.sha256(tiny._trained_tokenizer_json(512).encode()).hexdigest())"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1", RAYON_RS_NUM_CPUS="1", TOKENIZERS_PARALLELISM="false")
@@ -210,17 +212,17 @@ def test_stop_token_ids(tok):
 
 def test_chat_example(tok):
     msgs = _msgs("Is it alive?")
-    ex = text.chat_example(tok, msgs, "Yes, it is.", kind=text.KIND_POLICY, weight=0.5)
+    ex = batching.chat_example(tok, msgs, "Yes, it is.", kind=batching.KIND_POLICY, weight=0.5)
     assert ex.prompt_ids == text.encode_chat(tok, msgs)
     assert ex.target_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.decode(ex.target_ids) == "Yes, it is.<|im_end|>"
     assert (ex.kind, ex.weight) == (1, 0.5)
-    no_eos = text.chat_example(tok, msgs, "Yes, it is.", add_eos=False)
+    no_eos = batching.chat_example(tok, msgs, "Yes, it is.", add_eos=False)
     assert no_eos.target_ids == ex.target_ids[:-1] and no_eos.kind == 0 and no_eos.weight == 1.0
 
 
 def test_example_normalises_inputs():
-    ex = text.Example(np.array([1, 2, 3]), (4, np.int64(5)), kind=np.int32(1), weight=np.float32(2))
+    ex = batching.Example(np.array([1, 2, 3]), (4, np.int64(5)), kind=np.int32(1), weight=np.float32(2))
     assert ex.prompt_ids == [1, 2, 3] and ex.target_ids == [4, 5]
     assert type(ex.prompt_ids[0]) is int and type(ex.kind) is int and type(ex.weight) is float
 
@@ -251,13 +253,13 @@ def _check_contract(batch):
 
 def test_loss_mask_covers_exactly_the_target(tok):
     cases = [
-        (_msgs("Is it an animal?"), "No, it is not.", text.KIND_POLICY, 1.0),
+        (_msgs("Is it an animal?"), "No, it is not.", batching.KIND_POLICY, 1.0),
         (_msgs("Summarize the future.", system="You are the successor model."),
-         "The player guesses 50, hears higher, then wins. Reward: 1. ✓", text.KIND_CRITIC, 2.5),
-        (_msgs("x"), "日本語 🤖", text.KIND_POLICY, 0.25),
+         "The player guesses 50, hears higher, then wins. Reward: 1. ✓", batching.KIND_CRITIC, 2.5),
+        (_msgs("x"), "日本語 🤖", batching.KIND_POLICY, 0.25),
     ]
-    examples = [text.chat_example(tok, m, tgt, kind=k, weight=w) for m, tgt, k, w in cases]
-    batch = text.pack_examples(examples, max_len=512, pad_id=tok.pad_token_id)
+    examples = [batching.chat_example(tok, m, tgt, kind=k, weight=w) for m, tgt, k, w in cases]
+    batch = batching.pack_examples(examples, max_len=512, pad_id=tok.pad_token_id)
     _check_contract(batch)
     longest = max(len(e.prompt_ids) + len(e.target_ids) for e in examples)
     assert batch.shape == (3, text.bucket_length(longest, fine=True))
@@ -286,12 +288,12 @@ def test_loss_mask_covers_exactly_the_target(tok):
 def test_prompt_is_left_truncated_target_kept_when_asked(tok):
     long_user = " ".join(f"Question {i}: is it bigger than a car? No." for i in range(40))
     target_text = "Is it a book? I think the answer is a book."
-    ex_long = text.chat_example(tok, _msgs(long_user), target_text)
-    ex_short = text.chat_example(tok, _msgs("hi"), "Yes.")
+    ex_long = batching.chat_example(tok, _msgs(long_user), target_text)
+    ex_short = batching.chat_example(tok, _msgs("hi"), "Yes.")
     max_len = 64
     P, L = len(ex_long.prompt_ids), len(ex_long.target_ids)
     assert P + L > max_len  # the case must really need truncation
-    batch = text.pack_examples([ex_short, ex_long], max_len=max_len, truncate=True)
+    batch = batching.pack_examples([ex_short, ex_long], max_len=max_len, truncate=True)
     _check_contract(batch)
     assert batch.shape == (2, max_len)
     assert batch.num_truncated == 1
@@ -308,38 +310,38 @@ def test_prompt_is_left_truncated_target_kept_when_asked(tok):
 
 
 def test_target_too_long_raises_with_lengths():
-    ex_ok = text.Example([1, 2, 3], [4, 5])
-    ex_bad = text.Example([1, 2, 3], list(range(10, 26)))  # 16 target tokens
+    ex_ok = batching.Example([1, 2, 3], [4, 5])
+    ex_bad = batching.Example([1, 2, 3], list(range(10, 26)))  # 16 target tokens
     with pytest.raises(ValueError) as err:
-        text.pack_examples([ex_ok, ex_bad], max_len=16)
+        batching.pack_examples([ex_ok, ex_bad], max_len=16)
     msg = str(err.value)
     assert "example 1" in msg and "16" in msg and "max_len=16" in msg and "3" in msg
     # max_len - 1 target tokens still fit, with exactly one prompt token kept
-    batch = text.pack_examples([text.Example([1, 2, 3], list(range(10, 25)))], max_len=16, truncate=True)
+    batch = batching.pack_examples([batching.Example([1, 2, 3], list(range(10, 25)))], max_len=16, truncate=True)
     assert batch.input_ids[0].tolist() == [3] + list(range(10, 25))
     assert (batch.num_truncated, batch.tokens_dropped) == (1, 2)
 
 
 def test_over_long_example_is_refused_by_default(tok):
     # Cutting the prompt's left here would drop the system prompt and train on a prompt the policy never saw.
-    ex_ok = text.Example([1, 2, 3], [4, 5])
-    ex_long = text.Example(list(range(100, 112)), [4, 5, 6, 7, 8])  # 12 + 5 = 17 > 16
+    ex_ok = batching.Example([1, 2, 3], [4, 5])
+    ex_long = batching.Example(list(range(100, 112)), [4, 5, 6, 7, 8])  # 12 + 5 = 17 > 16
     with pytest.raises(ValueError) as err:
-        text.pack_examples([ex_ok, ex_long], max_len=16)
+        batching.pack_examples([ex_ok, ex_long], max_len=16)
     msg = str(err.value)
     assert "example 1" in msg and "12 prompt" in msg and "5 target" in msg and "max_len=16" in msg
     assert "\n" not in msg
-    batch = text.pack_examples([ex_ok, text.Example(list(range(100, 111)), [4, 5, 6, 7, 8])], max_len=16)
+    batch = batching.pack_examples([ex_ok, batching.Example(list(range(100, 111)), [4, 5, 6, 7, 8])], max_len=16)
     assert batch.num_truncated == 0 and batch.shape == (2, 16)  # exactly max_len still fits
 
 
 def test_empty_prompt_or_target_raises():
     with pytest.raises(ValueError, match="empty target"):
-        text.pack_examples([text.Example([1, 2], [])], max_len=16)
+        batching.pack_examples([batching.Example([1, 2], [])], max_len=16)
     with pytest.raises(ValueError, match="empty prompt"):
-        text.pack_examples([text.Example([], [1])], max_len=16)
+        batching.pack_examples([batching.Example([], [1])], max_len=16)
     with pytest.raises(ValueError, match="at least one example"):
-        text.pack_examples([], max_len=16)
+        batching.pack_examples([], max_len=16)
 
 
 def test_bucket_length():
@@ -369,21 +371,21 @@ def test_bucket_length():
 
 
 def test_pack_bucketing_and_pad_to():
-    ex = [text.Example(list(range(1, 11)), [20, 21, 22, 23, 24, 25, 26, 27])]  # 18 tokens
-    assert text.pack_examples(ex, max_len=256).shape == (1, 24)  # the fine bucket (1.5 x 16)
-    assert text.pack_examples(ex, max_len=20).shape == (1, 20)  # bucket capped at max_len
-    b = text.pack_examples(ex, max_len=256, pad_to=20, pad_id=7)
+    ex = [batching.Example(list(range(1, 11)), [20, 21, 22, 23, 24, 25, 26, 27])]  # 18 tokens
+    assert batching.pack_examples(ex, max_len=256).shape == (1, 24)  # the fine bucket (1.5 x 16)
+    assert batching.pack_examples(ex, max_len=20).shape == (1, 20)  # bucket capped at max_len
+    b = batching.pack_examples(ex, max_len=256, pad_to=20, pad_id=7)
     assert b.shape == (1, 20)
     assert b.input_ids[0, 18:].tolist() == [7, 7]
-    short = [text.Example([1], [2])]
-    assert text.pack_examples(short, max_len=256).shape == (1, 16)
+    short = [batching.Example([1], [2])]
+    assert batching.pack_examples(short, max_len=256).shape == (1, 16)
     with pytest.raises(ValueError, match="pad_to=17"):
-        text.pack_examples(ex, max_len=256, pad_to=17)
+        batching.pack_examples(ex, max_len=256, pad_to=17)
 
 
 def test_batch_size_dummy_rows():
-    ex = [text.Example([1, 2, 3], [4, 5], kind=1, weight=3.0), text.Example([6], [7, 8, 9])]
-    b = text.pack_examples(ex, max_len=64, batch_size=4, pad_id=0)
+    ex = [batching.Example([1, 2, 3], [4, 5], kind=1, weight=3.0), batching.Example([6], [7, 8, 9])]
+    b = batching.pack_examples(ex, max_len=64, batch_size=4, pad_id=0)
     _check_contract(b)
     assert b.shape == (4, 16) and b.num_examples == 2
     np.testing.assert_allclose(b.weight, [3.0, 1.0, 0.0, 0.0])
@@ -396,8 +398,8 @@ def test_batch_size_dummy_rows():
         assert not b.input_ids[r].any()
     assert b.num_target_tokens == 5
     with pytest.raises(ValueError, match="batch_size=1"):
-        text.pack_examples(ex, max_len=64, batch_size=1)
-    empty = text.pack_examples([], max_len=64, batch_size=2)
+        batching.pack_examples(ex, max_len=64, batch_size=1)
+    empty = batching.pack_examples([], max_len=64, batch_size=2)
     assert empty.shape == (2, 16) and empty.num_target_tokens == 0 and not empty.weight.any()
 
 

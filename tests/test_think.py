@@ -12,7 +12,7 @@ from nlac_jax.nlac.evaluation import make_policy_fn
 from nlac_jax.nlac.targets import TargetConfig, build_critic_examples, build_policy_examples
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict, split_think, strip_think
 from nlac_jax.rl import rollout
-from nlac_jax.roles import Completion, ScriptedRoleSampler
+from nlac_jax.rl.roles import Completion, ScriptedRoleSampler
 
 PS = P.PromptSet()
 

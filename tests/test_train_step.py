@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nlac_jax import models, sharding, text, training
+from nlac_jax import models, training
+from nlac_jax.training import batching
+from nlac_jax.parallel import sharding
 from nlac_jax.training import loss as loss_lib
 
 CFG = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -138,12 +140,12 @@ def test_losses_match_hand_computed_nll_sequence_normalisation():
 
 
 def test_iteration_denominators_match_hand_computed_losses():
-    """Batches of one iteration share their loss denominators (text.share_loss_denominators, what
-    text.pack_train_batches does): each kind's loss is Σ w·NLL over the batch's rows of that kind divided by the
+    """Batches of one iteration share their loss denominators (batching.share_loss_denominators, what
+    batching.pack_train_batches does): each kind's loss is Σ w·NLL over the batch's rows of that kind divided by the
     iteration's MEAN per-batch count of that kind (counted here by hand), and with 'token' the batches' losses
     average to the per-token mean over all of the iteration's targets."""
     batches = [make_batch(0), make_batch(1, num_dummy=9)]  # different mixes and sizes
-    shared = text.share_loss_denominators([text.PackedBatch(**b) for b in batches])
+    shared = batching.share_loss_denominators([batching.PackedBatch(**b) for b in batches])
     den = {}
     for k in (0, 1):
         n_b = [b["loss_mask"][b["kind"] == k, 1:].sum(axis=1) for b in batches]
@@ -168,13 +170,13 @@ def test_an_examples_loss_weight_does_not_depend_on_its_batch_mix(normalisation)
     differ (a policy row among 1..4 others of its kind), each example's loss coefficient does not, and it is
     w / (the iteration's per-batch count of its kind), by hand."""
     r = np.random.RandomState(0)
-    exs = [text.Example(prompt_ids=[200 + i] + list(r.randint(1, 100, 2)),
+    exs = [batching.Example(prompt_ids=[200 + i] + list(r.randint(1, 100, 2)),
                         target_ids=list(r.randint(1, 100, r.randint(1, 6))), kind=int(i < 4), weight=1.0 + i % 3)
            for i in range(16)]
     per_kind = {k: ([len(e.target_ids) for e in exs if e.kind == k]) for k in (0, 1)}
     coefs, mixes = {}, set()
     for seed in range(6):
-        batches, _ = text.pack_train_batches(exs, np.random.default_rng(seed), max_len=16, batch_size=8,
+        batches, _ = batching.pack_train_batches(exs, np.random.default_rng(seed), max_len=16, batch_size=8,
                                              train_steps=None)
         assert len(batches) == 2
         mixes.add(tuple(sorted(int(b.kind.sum()) for b in batches)))

@@ -9,9 +9,14 @@ import os
 import gin
 import pytest
 
-from nlac_jax import cli, loop, metrics, models, sampling, tiny, train
+from nlac_jax import models, sampling
+from nlac_jax.cli import common as cli
+from nlac_jax.cli import setup
 from nlac_jax.nlac import targets
-from nlac_jax.roles import RoleSampling
+from nlac_jax.observability import metrics
+from nlac_jax.rl.roles import RoleSampling
+from nlac_jax.runner import loop
+from nlac_jax.testing import tiny
 
 TINY_CFG = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 
@@ -81,8 +86,8 @@ def test_role_sampling_refuses_a_non_dict_a_typo_d_role_and_a_missing_policy_ent
 # ----------------------------------------------------------------------------- gin start-up checks
 def _gin_error(params, files=("gin/runs/tiny_random_cpu.gin",)):
     try:
-        with pytest.raises(train.GinConfigError) as e:
-            train.load_gin(list(files), params)
+        with pytest.raises(setup.GinConfigError) as e:
+            setup.load_gin(list(files), params)
     finally:
         gin.clear_config()
     msg = str(e.value)
@@ -248,7 +253,7 @@ def test_cli_exit_codes_and_one_line_messages():
         return main
 
     assert cli.run(fails(cli.UsageError("--x 3: bad")), []) == cli.EXIT_USAGE
-    assert cli.run(fails(train.GinConfigError("gin configuration error: y")), []) == cli.EXIT_USAGE
+    assert cli.run(fails(setup.GinConfigError("gin configuration error: y")), []) == cli.EXIT_USAGE
     assert cli.run(fails(models.ConfigError("vocab")), []) == cli.EXIT_USAGE
     assert cli.run(fails(FileNotFoundError(2, "No such file or directory", "/a/b")), []) == cli.EXIT_ERROR
     assert cli.run(fails(KeyError("policy")), []) == cli.EXIT_ERROR

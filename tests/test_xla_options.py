@@ -3,7 +3,9 @@
 import jax
 import pytest
 
-from nlac_jax import models, sampling, sharding, training, xla_options
+from nlac_jax import models, sampling, training
+from nlac_jax.parallel import sharding
+from nlac_jax.parallel import xla_options
 
 YNN = "xla_cpu_experimental_ynn_fusion_type"
 

@@ -23,10 +23,8 @@ import gin
 
 # The registry imports nothing itself; importing it runs nlac_jax.envs/__init__, which is standard library + gin
 # only (no TensorFlow, seqio, tau2 or JAX).
-from nlac_jax.envs.registry import ENV_NAMES, check_env_name
-
-SEQIO_TASK_PREFIX = 'nlac_'
-SEQIO_TASK_NAMES = tuple(SEQIO_TASK_PREFIX + e for e in ENV_NAMES)
+from nlac_jax.data.names import SEQIO_TASK_NAMES, SEQIO_TASK_PREFIX
+from nlac_jax.envs.registry import check_env_name
 
 # Public names of seqio_tasks, resolved lazily by __getattr__ (importing seqio / TensorFlow on first access).
 _LAZY = ('register_seqio_tasks', 'register_task_source', 'registered_env_name', 'SeqioTaskSource',

@@ -52,7 +52,7 @@ try:  # keep TF off the accelerators JAX uses (TF only runs the small input pipe
 except (RuntimeError, ValueError):  # devices already initialised, or no GPU support in this build
     pass
 
-from nlac_jax.data import SEQIO_TASK_PREFIX  # noqa: E402
+from nlac_jax.data.names import SEQIO_TASK_PREFIX  # noqa: E402
 from nlac_jax.envs.base import Task, TaskSource, pass_hat_k  # noqa: E402
 from nlac_jax.envs.registry import ENV_NAMES  # noqa: E402
 

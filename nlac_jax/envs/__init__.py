@@ -146,7 +146,7 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
     same = train_split == eval_split
     paths = getattr(src, 'paths', None) or {}
     if not same and train_split in paths and eval_split in paths:
-        from nlac_jax import fs
+        from nlac_jax.storage import fs
 
         def real(p):
             return fs.abspath(p) if fs.is_remote(p) else os.path.realpath(p)

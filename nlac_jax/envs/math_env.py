@@ -36,7 +36,7 @@ def _level(v) -> Optional[int]:
 
 def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> list:
     """Tasks from a MATH-style JSONL (problem, answer or solution, level, subject); ``hard_only`` keeps level 5."""
-    from nlac_jax import fs  # local or gs://
+    from nlac_jax.storage import fs  # local or gs://
     if not fs.isfile(path):
         raise FileNotFoundError(f"math JSONL not found: {path}")
     tasks = []

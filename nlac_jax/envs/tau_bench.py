@@ -23,7 +23,7 @@ Reward (at the end, else 0): tau2's ``evaluate_simulation(..., EvaluationType.AL
 reimplemented on tau2's own Environment classes (DB hashes, env assertions, communicated info, gold actions; see
 ``tau_adapter``); the NL assertions are judged by ``nl_judge`` (``tau_judge.NLAssertionJudge``) when one is given,
 per ``nl_assertions`` ('basis' | 'always' | 'off', see ``tau_adapter``). The loop gives the envs a judge whenever the
-user simulator runs behind an endpoint (``models.building.nl_assertion_judge``).
+user simulator runs behind an endpoint (``runner.building.nl_assertion_judge``).
 """
 
 from __future__ import annotations

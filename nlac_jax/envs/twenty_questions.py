@@ -264,7 +264,7 @@ def resolve_object_list(path_or_set: Optional[str]) -> str:
 def load_object_table(path: Optional[str] = None) -> ObjectTable:
     """Load an object list (JSON or text, see module doc): a path, or a set name from ``OBJECT_SETS``; ``None`` =
     the shipped 'scripted' table."""
-    from nlac_jax import fs  # local or gs://
+    from nlac_jax.storage import fs  # local or gs://
     path = resolve_object_list(path)
     if not fs.isfile(path):
         raise FileNotFoundError(f"20 Questions object list not found: {path} (a file, or a set name: "

@@ -47,13 +47,13 @@ from typing import Any, Sequence
 import gin
 import numpy as np
 
-from nlac_jax import text
+from nlac_jax.training import batching
 from nlac_jax.envs.base import BatchedRunner, Task
 from nlac_jax.nlac import critic_scores, evaluation, targets
 from nlac_jax.nlac.algorithm import NLAC, FutureSummary, MonteCarloNLAC
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, strip_think
+from nlac_jax.rl.roles import check_samples, group
 from nlac_jax.rl.transitions import transitions_from_episode
-from nlac_jax.roles import check_samples, group
 
 __all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRPO", "NLQL", "SelfDistillation",
            "SkillRehearsal", "future_renderer", "make_learner", "group_advantages"]
@@ -72,7 +72,7 @@ class SFTExample:
     prompt_messages: list
     target_text: str
     weight: float = 1.0
-    kind: int = text.KIND_POLICY
+    kind: int = batching.KIND_POLICY
 
     def to_training_dict(self) -> dict:
         """The fields text packing needs."""

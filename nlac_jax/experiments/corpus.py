@@ -39,7 +39,7 @@ from nlac_jax.nlac.prompts import PromptSet, render_transcript
 from nlac_jax.nlac.targets import TargetConfig, terminal_success, truncate_summary
 from nlac_jax.nlac.verdict import outcome_line, parse_outcome
 from nlac_jax.rl.transitions import transitions_from_episode
-from nlac_jax.text import KIND_CRITIC, KIND_POLICY
+from nlac_jax.training.batching import KIND_CRITIC, KIND_POLICY
 
 __all__ = [
     "TASK_NAME",
@@ -93,7 +93,7 @@ class CorpusExample:
         return _KIND[self.role]
 
     def to_training_dict(self, weight: float = 1.0) -> dict:
-        """The fields ``text.chat_example`` takes: prompt_messages, target_text, kind, weight."""
+        """The fields ``batching.chat_example`` takes: prompt_messages, target_text, kind, weight."""
         return {"prompt_messages": self.prompt_messages, "target_text": self.target_text, "kind": self.kind,
                 "weight": float(weight)}
 

@@ -385,7 +385,7 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     minus over the numbers it spares (NaN for a rule that wastes nothing). A critic that learned the RL game reads
     high on _rl and low on _other; a rule-free warm start reads the same base rate on both.
     """
-    from nlac_jax.roles import check_samples, group
+    from nlac_jax.rl.roles import check_samples, group
     env = _env(n, max_turns)
     state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
     rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
@@ -459,7 +459,7 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     p_out_of_range > 0 (the corpus's range critique, :func:`build_forecast_examples`): the probe's corpus has it
     too, and skill/evaluator_range is the verdict's accuracy on up to ``per_role`` evaluator prompts whose guess is
     outside the possible range (an extra call)."""
-    from nlac_jax.roles import check_samples
+    from nlac_jax.rl.roles import check_samples
     ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts,
                                  p_out_of_range=p_out_of_range)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
@@ -550,7 +550,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from nlac_jax import sampling
     from nlac_jax.experiments import warm_start
     from nlac_jax.nlac.model_roles import ModelRoleSampler
-    from nlac_jax.roles import RoleSampling
+    from nlac_jax.rl.roles import RoleSampling
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
     settings = RoleSampling(temperatures={"policy": args.policy_temperature},
                             max_new_tokens={"policy": 6, "successor": args.successor_tokens,

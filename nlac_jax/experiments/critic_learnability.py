@@ -78,7 +78,7 @@ def probe(cfg, tok, params, rule: str, n: int) -> dict:
     """The successor's scored P(wasted) on ``rule``'s numbers (``_rl``) and on the others, at the opening state."""
     from nlac_jax import sampling
     from nlac_jax.nlac.model_roles import ModelRoleSampler
-    from nlac_jax.roles import RoleSampling
+    from nlac_jax.rl.roles import RoleSampling
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params,
                              settings=RoleSampling(max_new_tokens={"policy": 6, "successor": 40}))
     out = F.waste_probe(roles, PromptSet(task="toy", prompt_set=F.PROMPT_SET), n, 0, 0,

@@ -67,7 +67,7 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused).
     Per-seed warm starts use corpus seed ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
     from nlac_jax.experiments import warm_start
-    from nlac_jax.models import building
+    from nlac_jax.runner import building
     out = warm_start_dir(workdir, xcfg, seed)
     if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
         _progress(workdir, f"warm start: reusing {out}")
@@ -331,9 +331,9 @@ _HEADLINE = ("eval/success_rate", "eval/critic_auc", "eval/critic_brier", "eval/
 def run_experiment(workdir: str) -> dict:
     """Warm start (cached), every (arm, seed) not yet done, then the table and the plots. Returns the results."""
     import jax
-    from nlac_jax import loop
     from nlac_jax.experiments import corpus, corpus_forecast
     from nlac_jax.experiments.config import UnitScaleConfig
+    from nlac_jax.runner import loop
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     xcfg = UnitScaleConfig()
@@ -426,13 +426,14 @@ PROG = "python -m nlac_jax.experiments.unit_scale"
 
 def build_parser():
     """The experiment CLI's parser."""
-    from nlac_jax import cli, train
+    from nlac_jax.cli import common as cli
+    from nlac_jax.cli import setup
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
     cli.add_gin_file_flags(p, "gin/experiments/unit_toy.gin", "experiments.UnitScaleConfig.seeds = (0,)")
     p.add_argument("--workdir", required=True, metavar="DIR",
                    help="experiment directory (warm start, arms, results.md); a rerun skips finished (arm, seed) "
                         "pairs")
-    p.add_argument("--compilation_cache", default=train.DEFAULT_COMPILATION_CACHE, metavar="DIR",
+    p.add_argument("--compilation_cache", default=setup.DEFAULT_COMPILATION_CACHE, metavar="DIR",
                    help="persistent XLA compilation cache directory ('' = off; $JAX_COMPILATION_CACHE_DIR wins)")
     return p
 
@@ -440,22 +441,22 @@ def build_parser():
 def main(argv=None) -> int:
     """The experiment's CLI (module docstring). Exit codes as nlac_jax.train: 2 usage/configuration error, 1 other
     errors, one line each (--debug: the traceback)."""
-    from nlac_jax import train
+    from nlac_jax.cli import setup
     flags = build_parser().parse_args(argv)
-    train.setup_logging()
+    setup.setup_logging()
     import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
-    train.load_gin(flags.gin_file, flags.gin_param)
+    setup.load_gin(flags.gin_file, flags.gin_param)
     from nlac_jax.experiments.config import UnitScaleConfig
     try:
         UnitScaleConfig()
     except (ValueError, TypeError) as e:
-        raise train.GinConfigError(f"gin configuration error ({type(e).__name__}): {train.gin_message(e)}") from None
-    train.check_writable_dir(flags.workdir)
-    train.enable_compilation_cache(flags.compilation_cache)
+        raise setup.GinConfigError(f"gin configuration error ({type(e).__name__}): {setup.gin_message(e)}") from None
+    setup.check_writable_dir(flags.workdir)
+    setup.enable_compilation_cache(flags.compilation_cache)
     run_experiment(flags.workdir)
     return 0
 
 
 if __name__ == "__main__":
-    from nlac_jax import cli
+    from nlac_jax.cli import common as cli
     sys.exit(cli.run(main, prog=PROG))

@@ -53,12 +53,12 @@ def _role(e: Any) -> str:
 
 
 def encode_examples(tokenizer, examples: Sequence[Any], max_len: int) -> tuple[list, list[str], int]:
-    """(text.Examples, their roles, number dropped): chat_example per corpus example; examples whose prompt +
+    """(batching.Examples, their roles, number dropped): chat_example per corpus example; examples whose prompt +
     target exceed ``max_len`` are DROPPED (a left-truncated prompt would lose the game's rules)."""
-    from nlac_jax import text
+    from nlac_jax.training import batching
     out, roles, dropped = [], [], 0
     for e in examples:
-        ex = text.chat_example(tokenizer, **_training_dict(e))
+        ex = batching.chat_example(tokenizer, **_training_dict(e))
         if len(ex.prompt_ids) + len(ex.target_ids) > max_len:
             dropped += 1
             continue
@@ -123,7 +123,7 @@ def role_losses(cfg, params, tokenizer, examples: Sequence[Any], max_len: int,
                 batch_size: int = 16) -> dict[str, float]:
     """Mean per-example target NLL (nats/token) per role on ``examples`` (no gradient)."""
     import jax
-    from nlac_jax import text
+    from nlac_jax.training import batching
     encoded, roles, _ = encode_examples(tokenizer, examples, max_len)
     if not encoded:
         return {}
@@ -135,7 +135,7 @@ def role_losses(cfg, params, tokenizer, examples: Sequence[Any], max_len: int,
     per_example = np.zeros(len(encoded))
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
-        b = text.pack_examples([encoded[i] for i in idx], max_len, pad_id=pad, batch_size=batch_size)
+        b = batching.pack_examples([encoded[i] for i in idx], max_len, pad_id=pad, batch_size=batch_size)
         v = np.asarray(jax.device_get(fn(params, b.input_ids, b.positions, b.attention_mask, b.loss_mask)))
         per_example[idx] = v[:len(idx)]
     out: dict[str, list] = {}
@@ -164,7 +164,9 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
     on_record: called with each logged record (e.g. to write the progress of a long warm start to a file).
     """
     import jax
-    from nlac_jax import sharding, text, training
+    from nlac_jax import training
+    from nlac_jax.training import batching
+    from nlac_jax.parallel import sharding
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     mesh = mesh if mesh is not None else sharding.make_mesh()
@@ -189,7 +191,7 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
     tokens = 0
     for i in range(steps):
         width, idx = next(batches)
-        batch = text.pack_examples([encoded[j] for j in idx], max_len, pad_to=width, pad_id=pad)
+        batch = batching.pack_examples([encoded[j] for j in idx], max_len, pad_to=width, pad_id=pad)
         tokens += int(batch.attention_mask.sum())
         state, metrics = step_fn(state, batch)
         acc.setdefault("pending", []).append(metrics)
@@ -236,7 +238,7 @@ def load_warm_start(directory: str, dtype: str = "float32", mesh=None) -> tuple:
     (exactly how NLACRun reads ``build_model.model_dir``)."""
     from nlac_jax import models
     from nlac_jax.models import hf_io
-    from nlac_jax.models.building import build_model
+    from nlac_jax.runner.building import build_model
     cfg, tok, _ = build_model(model_dir=directory, dtype=dtype, param_dtype="float32")
     shardings = models.param_shardings(cfg, mesh) if mesh is not None else None
     return cfg, tok, hf_io.load_params(directory, cfg, shardings)
@@ -248,7 +250,8 @@ def load_warm_start(directory: str, dtype: str = "float32", mesh=None) -> tuple:
 def generate_texts(cfg, params, tokenizer, prompts: Sequence[list], max_new_tokens: int, batch: int = 64,
                    sampler=None) -> list[str]:
     """Greedy completions of chat prompts (the role prompt messages), in order."""
-    from nlac_jax import sampling, text
+    from nlac_jax import sampling
+    from nlac_jax import text
     sampler = sampler or sampling.get_sampler(cfg)
     ids = [text.encode_chat(tokenizer, p, add_generation_prompt=True) for p in prompts]
     out: list[str] = []
@@ -356,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     from nlac_jax.envs.toy import GuessNumberTaskSource
     from nlac_jax.experiments import corpus
-    from nlac_jax.models.building import build_model
+    from nlac_jax.runner.building import build_model
     import jax
 
     t0 = time.perf_counter()

@@ -68,6 +68,36 @@ def _number(body: dict, name: str, default, lo: float, hi: float | None = None, 
     return v
 
 
+# the server's construction, shared by `python -m nlac_jax.serve` and the planner's --serve
+def make_mesh(tensor: int, fsdp: int, devices=None):
+    """The serving mesh: (data 1, fsdp, tensor) over the first fsdp x tensor of `devices` (default: this host's);
+    None for one device. More devices than there are: sharding.ShardingError naming both counts (exit 2)."""
+    if tensor * fsdp == 1:
+        return None
+    import jax
+    from nlac_jax.parallel import sharding
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor * fsdp > len(devices):
+        raise sharding.ShardingError(f"--tensor {tensor} --fsdp {fsdp} need {tensor * fsdp} devices, this host has "
+                                     f"{len(devices)} ({devices[0].platform})")
+    return sharding.make_mesh(data=1, fsdp=fsdp, tensor=tensor, devices=devices[:tensor * fsdp])
+
+
+def config_overrides(dtype: str) -> dict:
+    """The ModelConfig fields the server sets over config.json's: --dtype for compute and storage alike (no float32
+    master weights: nothing trains)."""
+    return dict(dtype=dtype, param_dtype=dtype)
+
+
+def check_tensor(cfg, tensor: int, source: str) -> None:
+    """--tensor must divide the query heads (as vLLM requires): the rules table would otherwise silently replicate
+    every attention projection on each tensor device. Fewer KV heads than --tensor are replicated (GQA), as usual."""
+    if cfg.num_heads % tensor:
+        from nlac_jax.parallel import sharding
+        raise sharding.ShardingError(f"--tensor {tensor} does not divide the model's {cfg.num_heads} attention heads "
+                             f"({source}): use a divisor of {cfg.num_heads}")
+
+
 def make_sampler(cfg, mesh=None):
     """The server's Sampler (the planner, `nlac_jax.plan --serve`, compiles this one). Its largest executables are
     the prefill and decode of `max_batch` rows (Sampler.buckets): more waiting requests are refilled into those rows,

@@ -18,10 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nlac_jax import sharding
 from nlac_jax.models import decoder
 from nlac_jax.models import families, hf_io
 from nlac_jax.models.config import ConfigError, ModelConfig
+from nlac_jax.parallel import sharding
 from nlac_jax.models.decoder import (CACHE_LOGICAL_AXES, CausalLM, abstract_params, decode_step, dummy_inputs,
                                      head_params, init_cache, layout_params, lm_head, prefill, stack_layers,
                                      unstack_layers)
@@ -114,7 +114,7 @@ def load_pretrained(model_dir: str, dtype: str = "float32", param_dtype: str | N
     dtype: compute dtype; param_dtype: storage dtype (default: same as dtype... float32 master weights for
     training: pass param_dtype="float32"). With `mesh`, each tensor is placed straight into its sharding.
     """
-    from nlac_jax import fs
+    from nlac_jax.storage import fs
     if not fs.isdir(model_dir):  # local or gs:// (the weights are read in place, each device its tensors)
         raise FileNotFoundError(f"{model_dir}: model directory does not exist")
     cfg = ModelConfig.from_hf_file(model_dir, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Any
+
+from nlac_jax.models import registry
 
 _DTYPES = ("float32", "bfloat16", "float16")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -145,10 +146,9 @@ class ModelConfig:
     attn_query_block: int = 128
 
     def __post_init__(self):
-        from nlac_jax.models import families
-        if self.model_type not in families.FAMILIES:
+        if self.model_type not in registry.FAMILIES:
             raise ConfigError(f"model_type={self.model_type!r} is not supported (supported: "
-                              f"{sorted(families.FAMILIES)})")
+                              f"{sorted(registry.FAMILIES)})")
         for f in ("param_dtype", "dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ConfigError(f"{f}={getattr(self, f)!r} is not one of {_DTYPES}")
@@ -192,9 +192,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json", **overrides) -> "ModelConfig":
         """Build from a parsed HF config dict. Refuses unsupported options, naming the field in `source`."""
-        from nlac_jax.models import families
         check_hf_fields(d, source)
-        family = families.family_for_hf(d, source)
+        family = family_for_hf(d, source)
         kw = family.read_config(d, source)
         kw["model_type"] = family.name
         kw.update(overrides)
@@ -205,7 +204,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_file(cls, model_dir: str, **overrides) -> "ModelConfig":
-        from nlac_jax import fs
+        from nlac_jax.storage import fs
         path = fs.join(model_dir, "config.json")  # local or gs://
         if not fs.isfile(path):
             raise FileNotFoundError(f"{path}: no config.json in the model directory")
@@ -219,5 +218,18 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json for this architecture (transformers 5 layout: rope under rope_parameters)."""
-        from nlac_jax.models import families
-        return families.FAMILIES[self.model_type].write_config(self)
+        return registry.FAMILIES[self.model_type].write_config(self)
+
+
+def family_for_hf(d: dict, source: str = "config.json"):
+    """The registered Family of a parsed config.json, by model_type (else by architectures[0]); ConfigError naming
+    both."""
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    fam = registry.lookup(model_type, archs)
+    if fam is None:
+        hint = ""
+        if model_type == "gemma3":
+            hint = " (the multimodal Gemma 3; only text-only Gemma3ForCausalLM checkpoints, model_type 'gemma3_text')"
+        raise ConfigError(f"{source}: model_type={model_type!r} (architectures={archs!r}) is not supported{hint} "
+                          f"(supported model_type: {registry.supported_model_types()})")
+    return fam

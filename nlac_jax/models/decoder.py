@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from nlac_jax import sharding
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.parallel import sharding
 
 Array = jax.Array
 _NEG = -1e30  # finite "minus infinity": fully masked (padding) query rows stay NaN-free

@@ -21,9 +21,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from nlac_jax import fs
 from nlac_jax.models import decoder, families
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.storage import fs
 
 # safetensors dtype names <-> numpy dtypes (bfloat16 via ml_dtypes, which jax already depends on)
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,

@@ -1,6 +1,6 @@
 """Natural Language Actor-Critic: prompts (one registry), targets, parsers, evaluation.
 
-The role-sampling interface (RoleSampler, Completion, RoleSampling settings) lives upstream in ``nlac_jax.roles``,
+The role-sampling interface (RoleSampler, Completion, RoleSampling settings) lives upstream in ``nlac_jax.rl.roles``,
 shared with ``nlac_jax.rl``; nlac may import rl, never the other way round.
 """
 

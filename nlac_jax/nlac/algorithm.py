@@ -1,6 +1,6 @@
 """NLAC as a learner: how one iteration's experience becomes training examples.
 
-The loop (`nlac_jax.loop.NLACRun`) owns collection, the train step and evaluation; a *learner* owns the choices
+The loop (`nlac_jax.runner.loop.NLACRun`) owns collection, the train step and evaluation; a *learner* owns the choices
 where algorithms differ: which tasks the iteration's episodes play (`take_tasks`), which examples the episodes
 become (`examples`) and, optionally, which parameter set serves which role (`routing`, applied by the loop to the
 whole iteration, evaluation included). `NLAC` is the default learner; the unit-scale experiment's other arms
@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from nlac_jax.nlac import targets
 from nlac_jax.nlac.prompts import PromptSet
-from nlac_jax.text import KIND_CRITIC
+from nlac_jax.training.batching import KIND_CRITIC
 
 __all__ = ["FROZEN", "Learner", "NLAC", "MonteCarloNLAC", "freeze_params"]
 

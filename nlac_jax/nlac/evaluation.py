@@ -25,7 +25,7 @@ from nlac_jax.nlac import critic_scores
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict, strip_think
 from nlac_jax.rl import rollout
-from nlac_jax.roles import RoleSampler, RoleSampling, check_samples, texts
+from nlac_jax.rl.roles import RoleSampler, RoleSampling, check_samples, texts
 
 __all__ = ["critic_diagnostics", "critic_score_metrics", "evaluate", "make_policy_fn"]
 

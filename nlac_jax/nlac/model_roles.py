@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling, check_routes, served_params
+from nlac_jax.rl.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling, check_routes, served_params
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ import jinja2
 
 from nlac_jax.nlac.verdict import (format_return, leading_outcome_line, outcome_line, parse_outcome,
                                   replace_outcome_line)
-from nlac_jax.roles import CHAT_ROLES
+from nlac_jax.rl.roles import CHAT_ROLES
 
 __all__ = [
     "ROLES",
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 # Roles whose prompt is sent to the model (CHAT_ROLES: the RoleSampler's role names, defined with the sampling
-# settings keyed by them in nlac_jax.roles), then the text-only one.
+# settings keyed by them in nlac_jax.rl.roles), then the text-only one.
 ROLES = CHAT_ROLES + ("terminal_summary",)
 DEFAULT_SET = "default"
 TEMPLATE_ROOT = Path(__file__).resolve().parent / "templates"

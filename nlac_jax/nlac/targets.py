@@ -76,8 +76,8 @@ from nlac_jax.nlac.verdict import (
     strip_think,
     with_reasoning,
 )
-from nlac_jax.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
-from nlac_jax.text import KIND_CRITIC, KIND_POLICY
+from nlac_jax.rl.roles import TRUNCATED_REASONS, Completion, RoleSampler, check_samples, group
+from nlac_jax.training.batching import KIND_CRITIC, KIND_POLICY
 
 __all__ = [
     "TargetConfig",
@@ -128,7 +128,7 @@ class TargetConfig:
         generation whose ``<think>`` is never closed has no answer (an empty action; no backup, no refinement).
 
     How each role is sampled (temperature, top_p, max_new_tokens) is not configured here: the RoleSampler carries
-    the run's ``nlac_jax.roles.RoleSampling`` (``nlac.RoleSampling.*`` in gin) and every call here uses it.
+    the run's ``nlac_jax.rl.roles.RoleSampling`` (``nlac.RoleSampling.*`` in gin) and every call here uses it.
     """
 
     k_futures: int = 1

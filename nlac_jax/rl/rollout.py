@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 from nlac_jax.envs.base import BatchedRunner, Episode
 from nlac_jax.envs.transition import Transition
+from nlac_jax.rl.roles import RoleSampler, RoleSampling, check_samples
 from nlac_jax.rl.transitions import transitions_from_episode
-from nlac_jax.roles import RoleSampler, RoleSampling, check_samples
 
 
 def make_policy_fn(sampler: RoleSampler, policy_prompt: Callable[[list], list[dict]],
@@ -36,7 +36,7 @@ def collect(envs: Sequence, tasks: Sequence, policy_fn: Callable, task_name: str
             max_turns: int | None = None, processes=None) -> tuple[list[Episode], list[Transition]]:
     """Play `tasks` with `policy_fn` over the env pool; returns (episodes, their one-step transitions).
 
-    processes: a `nlac_jax.distributed.Processes` of several processes (None or one process: play everything
+    processes: a `nlac_jax.parallel.distributed.Processes` of several processes (None or one process: play everything
     here). Then `tasks` is the global list, the same on every process; each process plays its contiguous share
     in its own `envs`, every policy turn is one collective round (`Processes.collective_policy`), and the
     returned episodes are every process's, in the order of `tasks` (collective: every process must call it).

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nlac_jax import sharding
-from nlac_jax.models.config import ModelConfig
 from nlac_jax.models import decoder
+from nlac_jax.models.config import ModelConfig
+from nlac_jax.parallel import sharding
 from nlac_jax.sampling.select import select_tokens
 
 Array = jax.Array

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import models, sharding, xla_options
+from nlac_jax import models
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
+from nlac_jax.parallel import sharding
+from nlac_jax.parallel import xla_options
 from nlac_jax.text import bucket_floor, bucket_length  # the one bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl)
@@ -422,7 +424,7 @@ class Sampler:
         shs = [sharding.named_sharding(("batch",) + (None,) * (np.ndim(a) - 1), np.shape(a), self.mesh, self.rules)
                for a in arrays]
         if jax.process_count() > 1:
-            from nlac_jax.distributed import replicated_to_global
+            from nlac_jax.parallel.distributed import replicated_to_global
             return tuple(replicated_to_global(list(arrays), shs))
         return tuple(jax.device_put(a, sh) for a, sh in zip(arrays, shs))
 
@@ -431,7 +433,7 @@ class Sampler:
         several processes share the mesh."""
         if self.mesh is None or jax.process_count() == 1:
             return tree
-        from nlac_jax.distributed import replicated_to_global
+        from nlac_jax.parallel.distributed import replicated_to_global
         rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         is_key = lambda x: isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
 

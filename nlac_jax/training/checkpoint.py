@@ -14,7 +14,7 @@ sha256 + user metadata), 'loop_state' (JSON, arbitrary JSON-serialisable dict; {
 Every process must call save/restore/wait/close (orbax synchronises and writes once per array shard).
 
 Files (the replay buffer's segments): immutable byte files under `<directory>/files/`, shared by the steps that
-need them, so a step only writes what is new. Process 0 writes a step's new files (atomically, via nlac_jax.fs)
+need them, so a step only writes what is new. Process 0 writes a step's new files (atomically, via nlac_jax.storage.fs)
 before the step's orbax save starts, so a committed step never lacks one; every process reads them on restore. A
 file is deleted once no kept step (and no step being written) lists it.
 
@@ -51,9 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nlac_jax import fs
 from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.storage import fs
 from nlac_jax.training.state import TrainState
 
 ITEMS = ("state", "metadata", "loop_state")
@@ -166,7 +166,7 @@ def _json_sha(d: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the step files' I/O
-# Through the one filesystem layer (nlac_jax.fs): local paths and gs:// alike.
+# Through the one filesystem layer (nlac_jax.storage.fs): local paths and gs:// alike.
 def _write_bytes(path: str, data: bytes) -> None:
     """Write `data` to `path` atomically (a reader never sees a torn file)."""
     fs.makedirs(fs.dirname(path))

@@ -9,7 +9,7 @@ target"), n_b = Σ_t tmask[b, t], w_b = weight[b], K_k = {b : kind[b] = k}:
   total = critic_weight · L1 + policy_weight · L2;   L_k = 0 when kind k has no target tokens.
 
 The denominators N_k (target tokens of kind k per batch) and S_k (examples of kind k with targets per batch) come
-with the batch (``denom_tokens`` / ``denom_examples``, per row: its kind's value). ``text.pack_train_batches`` sets
+with the batch (``denom_tokens`` / ``denom_examples``, per row: its kind's value). ``batching.pack_train_batches`` sets
 them to the MEAN OVER THE ITERATION'S BATCHES, so an example's weight w_b / N_k is the same whatever else its batch
 holds (2 policy rows among 62 critic rows no longer carry the whole of L2), and the iteration's batch losses average
 to the per-token (per-example) mean of each kind over the iteration. A batch packed on its own (``pack_examples``;
@@ -30,7 +30,7 @@ from nlac_jax.models import decoder
 from nlac_jax.models.config import ModelConfig
 
 NORMALISATIONS = ("token", "sequence")
-from nlac_jax.text import KIND_CRITIC, KIND_POLICY  # noqa: E402  (the one definition of the example kinds)
+from nlac_jax.training.batching import KIND_CRITIC, KIND_POLICY  # noqa: E402  (the one definition of the example kinds)
 
 
 def shift_targets(input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

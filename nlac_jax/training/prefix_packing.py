@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from nlac_jax import text
+from nlac_jax.training import batching
 
 __all__ = ["common_prefix_length", "prefix_forest", "pack_shared_prefix", "packing_stats"]
 
@@ -61,7 +62,7 @@ class Node:
         return len(self.tokens) + sum(c.size for c in self.children)
 
 
-def prefix_forest(examples: Sequence[text.Example]) -> list[Node]:
+def prefix_forest(examples: Sequence[batching.Example]) -> list[Node]:
     """The radix trees of the examples' prompts (module docstring); every example is exactly one leaf."""
     prompts = [e.prompt_ids for e in examples]
 
@@ -120,8 +121,8 @@ def _place(lengths: Sequence[int], rows: int, capacity: int) -> list[list[int]] 
     return out
 
 
-def pack_shared_prefix(examples: Sequence[text.Example], max_len: int, batch_size: int | None = None,
-                       pad_id: int = 0, row_multiple: int = 1, row_len: int | None = None) -> text.PackedBatch:
+def pack_shared_prefix(examples: Sequence[batching.Example], max_len: int, batch_size: int | None = None,
+                       pad_id: int = 0, row_multiple: int = 1, row_len: int | None = None) -> batching.PackedBatch:
     """One prefix-tree packed batch (module docstring) of ``examples``: B = ``batch_size`` rows, or by default the
     fewest rows that hold the trees at the smallest bucket holding the longest tree, rounded up to ``row_multiple``
     x a power of two (few distinct shapes; B stays divisible by the data-parallel size and the micro-batch count);
@@ -196,12 +197,12 @@ def pack_shared_prefix(examples: Sequence[text.Example], max_len: int, batch_siz
             else:
                 for nd in nodes:
                     walk(nd, 0)
-    return text.PackedBatch(input_ids=ids, attention_mask=(node_ids > 0).astype(np.int32), positions=pos,
+    return batching.PackedBatch(input_ids=ids, attention_mask=(node_ids > 0).astype(np.int32), positions=pos,
                             loss_mask=lm, kind=kind, weight=weight, node_ids=node_ids, node_ends=node_ends,
                             num_examples=len(examples))
 
 
-def packing_stats(examples: Sequence[text.Example], batch: text.PackedBatch) -> dict[str, int]:
+def packing_stats(examples: Sequence[batching.Example], batch: batching.PackedBatch) -> dict[str, int]:
     """Token accounting of one batch: tokens presented (Σ prompt + target over its examples), tokens computed (real
     tokens in the batch) and slots (B x T, padding included)."""
     return {"tokens_presented": sum(len(x.prompt_ids) + len(x.target_ids) for x in examples),

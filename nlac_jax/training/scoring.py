@@ -5,7 +5,7 @@
 
 The critic metrics read P(success | s, a) as a normalised pair of such scores (``Outcome: success`` against
 ``Outcome: failure`` right after the successor prompt), so they need exact log-probabilities of GIVEN texts, not
-samples. The rows are packed like training examples (``text.pack_examples``: prompt + continuation, right-padded,
+samples. The rows are packed like training examples (``batching.pack_examples``: prompt + continuation, right-padded,
 the continuation under the loss mask) and go through the same ``CausalLM`` forward and ``loss.token_nll`` LM head as
 L1/L2, so a score is exactly minus the (unweighted) NLL the train step would compute for that example. Only each
 row's continuation positions reach the LM head (gathered first, as ``loss.target_position_losses`` does), so a large
@@ -24,9 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import models, sharding, text
+from nlac_jax import models
+from nlac_jax import text
+from nlac_jax.training import batching
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
+from nlac_jax.parallel import sharding
 from nlac_jax.training import loss as loss_lib
 
 __all__ = ["Scorer", "SCORE_KEYS"]
@@ -96,7 +99,7 @@ class Scorer:
             if context and len(p) + len(c) > context:
                 raise ValueError(f"row {i}: {len(p)} prompt + {len(c)} continuation tokens exceed the model context "
                                  f"of {context}")
-            rows.append(text.Example(prompt_ids=list(p), target_ids=list(c)))
+            rows.append(batching.Example(prompt_ids=list(p), target_ids=list(c)))
         out = np.zeros(len(rows), np.float64)
         if self.mesh is not None and params is not None:
             params = jax.device_put(params, self._param_shardings)  # no copy when already laid out
@@ -104,10 +107,10 @@ class Scorer:
             chunk = rows[s:s + self.max_batch]
             K = text.bucket_length(max(len(r.target_ids) for r in chunk), _MIN_CONT_BUCKET)
             T = text.bucket_length(max(len(r.prompt_ids) for r in chunk), 16) + K
-            packed = text.pack_examples(chunk, max_len=T, pad_id=pad_id, batch_size=self.max_batch, pad_to=T)
+            packed = batching.pack_examples(chunk, max_len=T, pad_id=pad_id, batch_size=self.max_batch, pad_to=T)
             batch = {k: getattr(packed, k) for k in SCORE_KEYS}
             if jax.process_count() > 1:  # every process holds the whole batch: each places its own rows
-                from nlac_jax.distributed import replicated_to_global
+                from nlac_jax.parallel.distributed import replicated_to_global
                 batch = replicated_to_global(batch, self._batch_shardings)
             with self._ctx():
                 lp = self._jitted(params, batch, K)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nlac_jax import models, sharding
+from nlac_jax import models
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.parallel import sharding
 from nlac_jax.training.optim import Optimizer
 
 

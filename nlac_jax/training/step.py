@@ -3,7 +3,7 @@
     opt = training.make_optimizer()
     state = training.create_train_state(cfg, mesh, opt, params=model.params)
     step = training.make_train_step(cfg, mesh, opt)          # gin: make_train_step.*
-    state, metrics = step(state, batch)                      # batch: text.pack_examples(...).as_dict()
+    state, metrics = step(state, batch)                      # batch: batching.pack_examples(...).as_dict()
 
 `step` wraps `jax.jit(train_step, in_shardings=(state, batch), out_shardings=(state, replicated),
 donate_argnums=(0,))` and enters the mesh (`sharding.use_mesh`) around the call so activation constraints apply
@@ -23,9 +23,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nlac_jax import models, sharding, text, xla_options
+from nlac_jax import models
+from nlac_jax.training import batching
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
+from nlac_jax.parallel import sharding
+from nlac_jax.parallel import xla_options
 from nlac_jax.training import loss as loss_lib
 from nlac_jax.training.optim import Optimizer, make_optimizer
 from nlac_jax.training.state import TrainState, state_shardings
@@ -54,17 +57,19 @@ METRIC_KEYS = ("loss", "l1", "l2", "critic_tokens", "policy_tokens", "critic_exa
 
 def _with_denominators(batch: Mapping) -> dict:
     """The host batch with its loss denominators: a batch without them (built by hand, not by text.pack_*) is its
-    own iteration, so they are its own counts (text.kind_counts, as the loss counts). Needs the WHOLE batch."""
+    own iteration, so they are its own counts (batching.kind_counts, as the loss counts). Needs the WHOLE batch."""
     batch = dict(batch)
     missing = [k for k in _DENOM_KEYS if k not in batch]
     if len(missing) == 1:
         raise KeyError(f"train batch has {[k for k in _DENOM_KEYS if k in batch]} but not {missing}")
     if missing:
         if any(isinstance(batch[k], jax.Array) for k in ("loss_mask", "kind")):
-            raise KeyError(f"train batch of jax.Arrays is missing {list(_DENOM_KEYS)} (text.share_loss_denominators)")
+            raise KeyError(f"train batch of jax.Arrays is missing {list(_DENOM_KEYS)} "
+                           f"(batching.share_loss_denominators)")
         lm, kind = np.asarray(batch["loss_mask"]), np.asarray(batch["kind"])
         br = np.asarray(batch["node_ids"]) if "node_ids" in batch else None
-        batch["denom_tokens"], batch["denom_examples"] = text.row_denominators(text.kind_counts(lm, kind, br), kind)
+        counts = batching.kind_counts(lm, kind, br)
+        batch["denom_tokens"], batch["denom_examples"] = batching.row_denominators(counts, kind)
     return batch
 
 
@@ -225,7 +230,7 @@ class Throughput:
 class TrainStep:
     """Callable `step(state, batch) -> (new_state, metrics)`; `state` is donated (do not reuse it).
 
-    batch: a dict (or anything with `.as_dict()`, e.g. text.PackedBatch) with the arrays of the token-batch contract
+    batch: a dict (or anything with `.as_dict()`, e.g. batching.PackedBatch) with the arrays of the token-batch contract
     (docs/ARCHITECTURE.md). B must be divisible by num_microbatches and by the data-parallel size (data × fsdp).
     With several processes, NumPy arrays are this process's rows of the global batch.
     Non-finite guard: after each call, the PREVIOUS call's metrics are checked (so the check never stalls the
@@ -287,7 +292,7 @@ class TrainStep:
         the whole batch. (Without this, several processes passing NumPy would each be read as their own rows.)"""
         if jax.process_count() == 1:
             return batch
-        from nlac_jax.distributed import replicated_to_global
+        from nlac_jax.parallel.distributed import replicated_to_global
         if hasattr(batch, "as_dict"):
             batch = batch.as_dict()
         batch = _with_denominators(batch)

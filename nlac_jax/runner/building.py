@@ -35,13 +35,14 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
 
     Random model shapes: embedding [vocab_size, hidden_size] with vocab_size = len(tokenizer) rounded up to a
     multiple of 64; num_layers layers of num_heads query / num_kv_heads key-value heads of head_dim each."""
-    from nlac_jax import models, text, tiny
+    from nlac_jax import models, text
+    from nlac_jax.testing import tiny
     run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
                attn_query_block=attn_query_block)
     if hf_config is not None and not isinstance(hf_config, dict):
         raise models.ConfigError(f"build_model.hf_config = {hf_config!r}: expected a dict of config.json fields")
     if model_dir is not None:
-        from nlac_jax import fs
+        from nlac_jax.storage import fs
         if not fs.is_remote(model_dir) and not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
                 os.path.isdir(os.path.join(_REPO_ROOT, model_dir)):
             model_dir = os.path.join(_REPO_ROOT, model_dir)
@@ -65,7 +66,8 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
 def _check_hf_config(hf_config: dict, model_dir: str) -> None:
     """Every field of the gin file's hf_config must equal the model directory's config.json (ConfigError otherwise)."""
     import json
-    from nlac_jax import fs, models
+    from nlac_jax import models
+    from nlac_jax.storage import fs
     path = fs.join(model_dir, "config.json")
     if not fs.isfile(path):
         return  # from_hf_file reports the missing file
@@ -88,7 +90,8 @@ class ExternalModel:
 
     def __init__(self, model_dir: str = gin.REQUIRED, dtype: str = "bfloat16", max_new_tokens: int = 128,
                  max_batch: int = 64, sharded: bool = True):
-        from nlac_jax import models, sampling, sharding, text
+        from nlac_jax import models, sampling, text
+        from nlac_jax.parallel import sharding
         mesh = sharding.make_mesh() if sharded else None
         self.model = models.load_pretrained(model_dir, dtype=dtype, mesh=mesh)
         self.sampler = sampling.Sampler(self.model.config, mesh=mesh)

@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 
-from nlac_jax import fs
+from nlac_jax.storage import fs
 
 log = logging.getLogger(__name__)
 

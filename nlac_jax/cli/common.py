@@ -5,7 +5,7 @@ checkpoint that cannot be restored) is printed as ONE line on stderr, ``<prog>: 
 or value>``, and the process exits non-zero:
 
     exit 2  usage or configuration error: a bad flag (argparse), `UsageError` (gin errors and start-up validation,
-            see train.load_gin), models.ConfigError (config.json, tokenizer/model mismatch), sharding.ShardingError,
+            see setup.load_gin), models.ConfigError (config.json, tokenizer/model mismatch), sharding.ShardingError,
             text.PromptTooLongError (the start-up prompt check);
     exit 1  any other handled error: files (FileNotFoundError, PermissionError, other OSError), a checkpoint that
             cannot be restored, ValueError / TypeError / KeyError raised while running, the
@@ -30,8 +30,8 @@ MAX_MESSAGE_CHARS = 1000
 
 # Usage/config error classes defined in modules that are heavy to import: matched only once their module is loaded
 # (an exception of a class whose module was never imported cannot have been raised).
-_USAGE_CLASSES = (("nlac_jax.models.config", "ConfigError"), ("nlac_jax.sharding", "ShardingError"),
-                  ("nlac_jax.text", "PromptTooLongError"))
+_USAGE_CLASSES = (("nlac_jax.models.config", "ConfigError"), ("nlac_jax.parallel.sharding", "ShardingError"),
+                  ("nlac_jax.text.fitting", "PromptTooLongError"), ("nlac_jax.planning.planner", "PlanError"))
 
 
 class UsageError(ValueError):
@@ -189,6 +189,12 @@ def run(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | No
         return EXIT_USAGE if usage else EXIT_ERROR
 
 
+def run_command(command) -> None:
+    """`python -m nlac_jax.<name>`: run the command module's `main` (`cli/<name>.py`) through `run`; exit with its
+    code."""
+    sys.exit(run(command.main, prog=command.PROG))
+
+
 def add_gin_file_flags(p: argparse.ArgumentParser, file_example: str, param_example: str | None = None) -> None:
     """--gin_file (repeatable, required) and --gin_param (repeatable): the gin flags of every gin-configured CLI.
     The examples only shape the help text."""
@@ -201,7 +207,7 @@ def add_gin_file_flags(p: argparse.ArgumentParser, file_example: str, param_exam
 
 def require_file(path: str, flag: str) -> str:
     """`path` (local or gs://) if it is an existing file, else a UsageError naming the flag and the path."""
-    from nlac_jax import fs
+    from nlac_jax.storage import fs
     if not fs.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
     if not fs.isfile(path):
@@ -211,7 +217,7 @@ def require_file(path: str, flag: str) -> str:
 
 def require_dir(path: str, flag: str) -> str:
     """`path` (local or gs://) if it is an existing directory, else a UsageError naming the flag and the path."""
-    from nlac_jax import fs
+    from nlac_jax.storage import fs
     if not fs.isdir(path):
         if fs.is_remote(path) or not fs.exists(path):
             raise UsageError(f"{flag} {path}: no such directory")

@@ -9,7 +9,7 @@ iteration) is saved with θ, θ̄, the optimiser and the PRNG key, so a run kill
 the same command ends in the same state as an uninterrupted run (on CPU).
 
 The model it trains comes from models/building.py (`build_model`, `ExternalModel`), its batches from
-text.pack_train_batches, its metrics.jsonl and summary table from metrics.py.
+batching.pack_train_batches, its metrics.jsonl and summary table from metrics.py.
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ from typing import Any
 
 import gin
 
-from nlac_jax import compilations, fs, interrupts
-# At module level, unlike the loop's other imports: gin files that `import nlac_jax.loop` bind build_model.*,
+from nlac_jax.parallel import compilations
+# At module level, unlike the loop's other imports: gin files that `import nlac_jax.runner.loop` bind build_model.*,
+
+from nlac_jax.runner import interrupts
+from nlac_jax.storage import fs
 # ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
 # files are parsed).
-from nlac_jax.metrics import MetricsWriter, summary_table
+from nlac_jax.observability.metrics import MetricsWriter, summary_table
 from nlac_jax.judges.client import OpenAIChatModel  # noqa: F401  (registers OpenAIChatModel.* with gin)
-from nlac_jax.models.building import ExternalModel, build_model, external_model, nl_assertion_judge
+from nlac_jax.runner.building import ExternalModel, build_model, external_model, nl_assertion_judge
 
-log = logging.getLogger("nlac_jax.loop")
+log = logging.getLogger("nlac_jax.runner.loop")
 
 PHASES = ("collect", "targets", "train", "eval")
 
@@ -106,7 +109,7 @@ class LoopConfig:
     seqio_task: str | None = None
 
     def __post_init__(self):
-        # checked at start-up (train.load_gin builds a LoopConfig): a bad value is refused by name before anything
+        # checked at start-up (setup.load_gin builds a LoopConfig): a bad value is refused by name before anything
         # is built, not hours later where it is first used
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
@@ -238,12 +241,13 @@ class NLACRun:
         (ModelOnlyState): no checkpoint is read or written and no TrainState is built; for evaluation only."""
         import jax
         import numpy as np
-        from nlac_jax import envs, sampling, sharding, training
+        from nlac_jax import envs, sampling, training
         from nlac_jax.models import hf_io
         from nlac_jax.nlac import algorithm, model_roles, prompts as prompts_lib, targets
+        from nlac_jax.parallel import sharding
+        from nlac_jax.parallel.distributed import Processes
         from nlac_jax.rl import ReplayBuffer
-        from nlac_jax.distributed import Processes
-        from nlac_jax.roles import RoleSampling
+        from nlac_jax.rl.roles import RoleSampling
 
         self.stop: interrupts.StopRequest | None = None  # run() installs the SIGTERM flag
         self.workdir = fs.abspath(workdir)  # a gs:// URL stays one (no os.path on it)
@@ -275,7 +279,7 @@ class NLACRun:
         self.optimizer = training.make_optimizer()
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
         if jax.process_index() == 0:  # what each chip holds of θ, per parameter class (the planner's numbers)
-            from nlac_jax import footprint
+            from nlac_jax.planning import footprint
             log.info("%s", footprint.param_class_table(self.cfg, self.mesh))
         # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
         fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
@@ -375,17 +379,17 @@ class NLACRun:
 
     # ------------------------------------------------------------------ one iteration
     def _pack(self, examples, rng) -> tuple[list, dict]:
-        """Token batches for this iteration's train steps, and their metrics (`text.pack_train_batches`: examples
+        """Token batches for this iteration's train steps, and their metrics (`batching.pack_train_batches`: examples
         longer than max_len are dropped and counted, never cut; train_steps=None is one pass)."""
-        from nlac_jax import text
-        items = [text.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
+        from nlac_jax.training import batching
+        items = [batching.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
         pad = self.tokenizer.pad_token_id or 0
         packer = None
         if self.loop.share_prefixes:
             from nlac_jax.training.prefix_packing import pack_shared_prefix
             rows = math.lcm(self.step_fn.data_parallel, max(1, self.step_fn.config.num_microbatches))
             packer = lambda c: pack_shared_prefix(c, self.loop.max_len, pad_id=pad, row_multiple=rows)  # noqa: E731
-        batches, m = text.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
+        batches, m = batching.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
                                              train_steps=self.loop.train_steps, pad_id=pad, packer=packer)
         if m["train/dropped_examples"]:
             log.warning("%d of %d examples are longer than LoopConfig.max_len=%d (target too long): dropped",
@@ -548,7 +552,7 @@ def latest_checkpoint_step(directory: str, processes=None) -> int | None:
     or fresh, and from which step" cannot differ between processes (a slower process once saw the `checkpoints/`
     directory a faster one had just created and ran one barrier more: orbax's "sync_global_devices name mismatch")."""
     import orbax.checkpoint as ocp
-    from nlac_jax.distributed import Processes
+    from nlac_jax.parallel.distributed import Processes
     processes = processes or Processes.current()
     step = None
     if processes.is_main:
@@ -598,8 +602,8 @@ def run(workdir: str) -> list[dict]:
     """Run (or resume) the gin-configured NLAC loop in `workdir` (local or gs://). Returns the metrics of this
     invocation ([] when the run had already finished every iteration: it says so in one line and builds nothing).
     One run per workdir: while this one runs, another started on `workdir` refuses at start-up (run_lock)."""
-    from nlac_jax import run_lock
-    from nlac_jax.distributed import Processes
+    from nlac_jax.parallel.distributed import Processes
+    from nlac_jax.runner import run_lock
     lock = run_lock.acquire(workdir, Processes.current())  # decided on process 0, broadcast
     try:
         return _run(workdir)
@@ -685,8 +689,8 @@ def _run(workdir: str) -> list[dict]:
     if main_proc and rows:
         print("\n" + summary_table(rows, eval_every=r.loop.eval_every))
         try:
-            from nlac_jax import plot
-            png = plot.plot_workdir(r.workdir)
+            from nlac_jax.observability import plots
+            png = plots.plot_workdir(r.workdir)
             print(f"\nlearning curves: {png}")
         except Exception as e:  # plotting must never fail a finished run
             log.warning("plotting failed: %s", e)

@@ -11,7 +11,7 @@ import io
 import json
 import math
 
-from nlac_jax import fs
+from nlac_jax.storage import fs
 
 
 class MetricsWriter:
@@ -73,7 +73,7 @@ class _EventFile:
 
 
 class _EventFileFactory:
-    """tensorboardX's writer-factory interface (record_writer.register_writer_factory) over nlac_jax.fs."""
+    """tensorboardX's writer-factory interface (record_writer.register_writer_factory) over nlac_jax.storage.fs."""
 
     def open(self, path: str) -> _EventFile:
         return _EventFile(path)

@@ -1,6 +1,6 @@
 """One filesystem layer for every path a run reads or writes: local paths and `gs://` URLs alike.
 
-    from nlac_jax import fs
+    from nlac_jax.storage import fs
     fs.join(workdir, "metrics.jsonl"); fs.exists(p); fs.isdir(p); fs.makedirs(p); fs.listdir(p)
     fs.open(p, "w"); fs.read_text(p); fs.write_atomic(p, text_or_bytes); fs.read_range(p, start, end)
     fs.remove(p); fs.rmtree(p); fs.rename(src, dst); fs.create_exclusive(p, data)
