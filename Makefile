@@ -33,7 +33,7 @@ $(SEQIO_STAMP): $(STAMP) requirements-seqio.txt
 	$(PIP) install -q -r requirements-seqio.txt
 	touch $(SEQIO_STAMP)
 
-# libtpu (~700 MB) for the TPU ahead-of-time compile tests (tests/test_plan.py) and the planner: `make test` only
+# libtpu (~700 MB) for the TPU ahead-of-time compile tests (tests/planning/test_plan.py) and the planner: `make test` only
 TPU_STAMP := $(VENV)/.installed-tpu
 $(TPU_STAMP): $(STAMP) requirements-tpu.txt
 	$(PIP) install -q -r requirements-tpu.txt

@@ -13,7 +13,7 @@ Reported per (dtype, batch): compile time (first call minus a steady call), stea
 speed-up (also against transformers float32 for the bfloat16 rows), our decode-only steps/s, and for batch 1 the
 streaming efficiency = parameter bytes x decode steps/s / memory read bandwidth (measured here on a 1 GiB array:
 best of numpy, torch and XLA sums); for transformers the decode rate is approximated by new tokens / total time. Greedy agreement with transformers is printed as a sanity check
-(exact equality is tested in tests/test_sampling.py on well-separated tiny models; random init logits here are
+(exact equality is tested in tests/sampling/test_sampling.py on well-separated tiny models; random init logits here are
 near-ties, so an occasional float divergence is expected, especially in bfloat16).
 """
 

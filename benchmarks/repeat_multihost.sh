@@ -10,7 +10,7 @@ py=${PYTHON:-.venv/bin/python}
 fails=0
 for i in $(seq 1 "$n"); do
   log=$(mktemp)
-  if "$py" -m pytest -q -p no:cacheprovider tests/test_multihost.py -k "$expr" >"$log" 2>&1; then
+  if "$py" -m pytest -q -p no:cacheprovider tests/runner/test_multihost.py -k "$expr" >"$log" 2>&1; then
     echo "run $i/$n: passed ($(tail -n 1 "$log"))"
   else
     fails=$((fails + 1))

@@ -3,7 +3,7 @@ test that compares a subprocess's numbers with another's compares programs compi
 are compared must be started with the same `loop_run`)."""
 
 # LLVM at -O0 for the CPU backend: the suite's cost is compiling many small programs, not running them (1.6x faster
-# on tests/test_train_step.py on 2 cores). XLA's own HLO passes still run, and the results stay within every test's
+# on tests/training/test_train_step.py on 2 cores). XLA's own HLO passes still run, and the results stay within every test's
 # tolerance; runs and benchmarks outside the tests keep the default.
 COMPILE_FAST = "--xla_backend_optimization_level=0"
 # LLVM at -O1 for the 1-process runs of the training loop that a test repeats (xla_flags(loop_run=True)): after the

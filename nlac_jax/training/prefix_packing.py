@@ -18,7 +18,7 @@ its target, and lays each tree out in depth-first pre-order:
 node_ids is the node's pre-order id (unique in the row) and node_ends the last id of its subtree; positions count
 along the root-to-leaf path. The model attends with `decoder.packed_mask_bias`: a key is visible iff causal and in
 an ancestor of the query's node (or the node itself), so every target token sees exactly the tokens it sees in its
-unpacked row: the losses are the unpacked losses (tests/test_prefix_packing.py), at the cost of the tree's tokens.
+unpacked row: the losses are the unpacked losses (tests/training/test_prefix_packing.py), at the cost of the tree's tokens.
 
 A tree longer than a row (``row_len``, default max_len) is split: its subtrees are binned into rows, each bin
 repeating the path of shared tokens above it. Trees are placed into the batch's rows longest first, each into the

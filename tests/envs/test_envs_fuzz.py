@@ -22,7 +22,7 @@ from nlac_jax.envs.math_grading import answers_equal
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
 from nlac_jax.envs.twenty_questions import ScriptedOracle, TwentyQuestionsEnv, TwentyQuestionsTaskSource
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N_ACTIONS = 2000        # direct env.step path, per env
 N_RUNNER_ACTIONS = 1000  # BatchedRunner path, per env (fresh actions: another seed)
 N_LONG_ACTIONS = 300     # direct path again with the action-length limit lifted

@@ -17,7 +17,7 @@ from nlac_jax.planning import footprint
 from nlac_jax.planning import planner
 from nlac_jax.planning import tpu_specs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 NO_LIBTPU = "libtpu is not installed (pip install -r requirements-tpu.txt): no TPU ahead-of-time compiles here"
 

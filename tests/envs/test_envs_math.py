@@ -13,7 +13,7 @@ from nlac_jax.envs.math_env import (MathEnv, MathGeneratorTaskSource, MathJsonlT
                                     load_math_jsonl)
 from nlac_jax.envs.math_grading import answers_equal, extract_answer, extract_boxed, normalize_answer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MATH500 = os.environ.get('NLAC_MATH500', os.path.join(REPO, '..', 'shared', 'data', 'math500', 'test.jsonl'))
 
 EQUAL = [

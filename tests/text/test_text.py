@@ -14,7 +14,7 @@ from nlac_jax import text
 from nlac_jax.training import batching
 from nlac_jax.testing import tiny
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 UNICODE_STRINGS = [
     "",

@@ -16,7 +16,7 @@ from nlac_jax.experiments import arms
 from nlac_jax.nlac.prompts import PromptSet
 from xla_test_flags import xla_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_group_advantages_by_hand():

@@ -16,7 +16,7 @@ from nlac_jax.cli import setup
 from nlac_jax.models import hf_io
 from xla_test_flags import xla_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
     "N = 8",
     "LoopConfig.episodes_per_iteration = 4",

@@ -12,7 +12,7 @@ import sys
 import gin
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = "--gin_file=gin/runs/tiny_random_cpu.gin"
 
 

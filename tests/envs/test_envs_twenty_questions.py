@@ -305,7 +305,7 @@ def test_wordnet_set_from_gin(clean_gin):
     import gin
 
     from nlac_jax import envs
-    task_gin = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'twenty_questions.gin')
+    task_gin = os.path.join(os.path.dirname(__file__), '..', '..', 'gin', 'tasks', 'twenty_questions.gin')
     gin.parse_config_files_and_bindings([task_gin], ["OBJECTS = 'wordnet'", "make_env_factory.oracle = 'model'"])
     src = envs.make_task_source()
     assert len(src.tasks(src.train_split)) == 1000 and len(src.tasks(src.eval_split)) == 500

@@ -28,7 +28,7 @@ from nlac_jax.testing import tiny
 from xla_test_flags import xla_flags
 
 HAVE_TAU = importlib.util.find_spec("tau2") is not None
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = "tiny-judge"
 
 

@@ -362,7 +362,7 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
     import nlac_jax.cli.configurables  # noqa: F401  (registers the configurables)
     from nlac_jax.runner import loop
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tiny = ["LoopConfig.iterations = 1", "LoopConfig.max_len = 640",
             "nlac.RoleSampling.max_new_tokens = {'policy': 4, 'successor': 8, 'backup': 8, 'evaluator': 8, "
             "'refiner': 4}"]

@@ -231,7 +231,7 @@ def test_model_user_and_gin(retail, clean_gin):
 
     task = retail['retail-0']
     gin.clear_config()
-    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_retail.gin'))
+    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', '..', 'gin', 'tasks', 'tau_retail.gin'))
     factory = envs.make_env_factory()
     with pytest.raises(ValueError, match='needs a generate_fn'):
         factory()
@@ -240,7 +240,7 @@ def test_model_user_and_gin(retail, clean_gin):
     src = envs.make_task_source()
     assert src.train_split == 'train' and len(src.tasks(src.eval_split)) == 40
     gin.clear_config()
-    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_airline.gin'))
+    gin.parse_config_file(os.path.join(os.path.dirname(__file__), '..', '..', 'gin', 'tasks', 'tau_airline.gin'))
     assert envs.make_env_factory().env_name == 'tau_airline'
     assert len(envs.make_task_source().tasks('test')) == 20
     gin.clear_config()
@@ -415,7 +415,7 @@ def test_nl_judge_mode_and_transfer_source(retail, clean_gin):
         TauBenchEnv(ScriptedUser(), nl_assertions='sometimes')
     # the paper's transfer: train on retail, evaluate on every airline task, with the retail run's env factory
     gin.parse_config_files_and_bindings(
-        [os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks', 'tau_retail.gin')],
+        [os.path.join(os.path.dirname(__file__), '..', '..', 'gin', 'tasks', 'tau_retail.gin')],
         ["nlac_jax.envs.TauBenchTaskSource.transfer_domains = ('airline',)",
          "nlac_jax.envs.make_task_source.eval_split = 'airline/base'", "make_env_factory.user = 'scripted'"])
     src = envs.make_task_source()

@@ -23,7 +23,7 @@ from nlac_jax.testing import tiny
 
 from gcs_emulator import GcsEmulator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(REPO, "launch")
 BASE_ENV = {"PATH": os.environ["PATH"], "TPU_NAME": "nlac-test", "ZONE": "us-east5-a", "HOME": "/nonexistent"}
 

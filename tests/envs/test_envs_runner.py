@@ -146,7 +146,7 @@ def clean_gin():
 
 def test_gin_task_files(tmp_path, clean_gin):
     import os
-    root = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tasks')
+    root = os.path.join(os.path.dirname(__file__), '..', '..', 'gin', 'tasks')
     for name, cls in [('toy', envs.GuessNumberEnv), ('twenty_questions', envs.TwentyQuestionsEnv),
                       ('math', envs.MathEnv)]:
         gin.clear_config()

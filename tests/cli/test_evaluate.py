@@ -93,7 +93,7 @@ def test_evaluate_model_dir_equals_the_loops_evaluation_before_training(hf_dir, 
 def test_evaluate_model_dir_usage_errors(tmp_path):
     import subprocess
     import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def run(*args):
         res = subprocess.run([sys.executable, "-m", "nlac_jax.evaluate", f"--gin_file={GIN}", *args], cwd=repo,

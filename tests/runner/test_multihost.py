@@ -25,7 +25,7 @@ from nlac_jax.models import hf_io
 from nlac_jax.parallel import distributed
 from xla_test_flags import xla_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 1500  # a hang guard for the runs of one test (they take ~1-2 minutes on a quiet 2-core machine)
 
 PARAMS = [
