@@ -124,7 +124,7 @@ class _Run:
 
 
 def json_path_save(run: _Run, it: int) -> None:
-    """The loop's save before segments (nlac_jax/loop.py up to this change), verbatim but for the names."""
+    """The loop's save before segments (nlac_jax/runner/loop.py up to this change), verbatim but for the names."""
     buffer_state = run.buffer.state_dict()
     sha = hashlib.sha256(json.dumps(buffer_state).encode()).hexdigest()
     records = [{"process_index": 0, "cursor": run.cursor.state_dict(), "buffer_sha256": sha,

@@ -1,4 +1,4 @@
-"""The sampler's prefill executable with its XLA options (nlac_jax/xla_options.py) vs the same jit without them, in
+"""The sampler's prefill executable with its XLA options (nlac_jax/parallel/xla_options.py) vs the same jit without them, in
 one process, alternating calls (the A/B behind the table's 'prefill' entries).
 
     .venv/bin/python benchmarks/bench_prefill.py                                  # 2 layers, 32 x 128 and 8 x 2048

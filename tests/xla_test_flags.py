@@ -9,7 +9,7 @@ COMPILE_FAST = "--xla_backend_optimization_level=0"
 # LLVM at -O1 for the 1-process runs of the training loop that a test repeats (xla_flags(loop_run=True)): after the
 # first, each loads its programs from the persistent compilation cache and spends its time RUNNING them. The tiny
 # model prefills 600-1600-token prompts at every sampler call, and the float32 prefill's dots are XLA's own loops
-# (nlac_jax/xla_options.py keeps YNNPACK out of it), which -O0 leaves unoptimised: a 1536-token prefill of 4 rows
+# (nlac_jax/parallel/xla_options.py keeps YNNPACK out of it), which -O0 leaves unoptimised: a 1536-token prefill of 4 rows
 # takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and compiles a little slower than -O0.
 # Measured on 2 loaded cores, test_multihost's 1-process reference run, CPU seconds from an empty / a warm
 # compilation cache: -O0 85-94 / 41, -O1 88-104 / 21, -O2 103 / 25 (-O2 compiles with more threads). Not for

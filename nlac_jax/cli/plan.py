@@ -31,12 +31,12 @@ chip's usable HBM; exit 1 and one line when the peak does not fit. The serve fla
 
 It prints, per executable, the per-chip bytes XLA reports (arguments, outputs, temporaries, aliased) and the loop's
 peak on a chip (the train state and the external model stay resident while the samplers run), against the chip's
-HBM (nlac_jax/tpu_specs.py); the analytic FLOPs of a train step and of a generated token; and a roofline estimate
+HBM (nlac_jax/planning/tpu_specs.py); the analytic FLOPs of a train step and of a generated token; and a roofline estimate
 of step time and decode tokens/s (peak FLOP/s or HBM bandwidth, whichever binds; no communication: an estimate,
 not a measurement). When something does not fit it exits 1 with one line on stderr saying what and by how much.
 
 Exit codes: 0 fits; 1 does not fit (or another handled error); 2 usage or configuration error (a bad --topology,
-a gin mistake); --debug shows tracebacks (nlac_jax/cli.py).
+a gin mistake); --debug shows tracebacks (nlac_jax/cli/common.py).
 """
 
 from __future__ import annotations

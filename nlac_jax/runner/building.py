@@ -13,7 +13,7 @@ import os
 
 import gin
 
-# build_model resolves relative model directories against the repository root (nlac_jax/models/building.py -> ../..)
+# build_model resolves relative model directories against the repository root (nlac_jax/runner/building.py -> ../..)
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -8,7 +8,7 @@ Every random choice is a function of (seed, iteration, phase), and the loop's ow
 iteration) is saved with θ, θ̄, the optimiser and the PRNG key, so a run killed at any moment and resumed with
 the same command ends in the same state as an uninterrupted run (on CPU).
 
-The model it trains comes from models/building.py (`build_model`, `ExternalModel`), its batches from
+The model it trains comes from runner/building.py (`build_model`, `ExternalModel`), its batches from
 batching.pack_train_batches, its metrics.jsonl and summary table from metrics.py.
 """
 
@@ -253,7 +253,7 @@ class NLACRun:
         self.workdir = fs.abspath(workdir)  # a gs:// URL stays one (no os.path on it)
         fs.makedirs(self.workdir)
         # several processes (a TPU pod): the envs are divided, everything else is the same on every process
-        # (nlac_jax/distributed.py); one process: every exchange is local
+        # (nlac_jax/parallel/distributed.py); one process: every exchange is local
         self.processes = Processes.current()
         self.loop = LoopConfig()
         self.target_cfg = targets.TargetConfig()
@@ -518,7 +518,7 @@ class NLACRun:
         """Checkpoint iteration `it` when it is due or `force` (collective: every process calls it).
 
         The replay buffer and the task cursor are the same on every process (the episodes are gathered before
-        they enter the buffer, and every process walks the one cursor, see nlac_jax/distributed.py), so they are
+        they enter the buffer, and every process walks the one cursor, see nlac_jax/parallel/distributed.py), so they are
         stored once, and every process's own record (index, cursor, buffer checksum) under loop_state['processes'];
         saving refuses processes whose copies differ. A run may so resume on another number of processes.
         The buffer goes in as segment files (rl.buffer_segments): the transitions and episodes added since the

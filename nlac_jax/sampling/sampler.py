@@ -170,7 +170,7 @@ class Sampler:
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
-        # the prompt-processing executables get their own XLA options (nlac_jax/xla_options.py; on CPU only)
+        # the prompt-processing executables get their own XLA options (nlac_jax/parallel/xla_options.py; on CPU only)
         self.prefill_options = xla_options.for_executable("prefill", cfg.dtype, platform) or None
         # named functions, so the loop's "compiled N new executable(s)" warning says which
         def sampler_prefill(params, ids, mask, live, key, ctl, src=None, prefix=None, *, new_bucket):

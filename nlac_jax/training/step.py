@@ -323,7 +323,7 @@ class TrainStep:
 
 
 def default_compiler_options(cfg: ModelConfig, mesh) -> dict[str, str]:
-    """XLA options of the train step's executable (nlac_jax/xla_options.py: float32 on CPU gets some)."""
+    """XLA options of the train step's executable (nlac_jax/parallel/xla_options.py: float32 on CPU gets some)."""
     return xla_options.for_executable("train_step", cfg.dtype, mesh.devices.flat[0].platform)
 
 

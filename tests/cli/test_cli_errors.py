@@ -1,5 +1,5 @@
 """The CLIs' error surface: a bad input gets ONE line on stderr naming the file, key or value, no traceback, and a
-documented exit code (2 usage/config, 1 other; nlac_jax/cli.py); --debug shows the traceback; each CLI has its own
+documented exit code (2 usage/config, 1 other; nlac_jax/cli/common.py); --debug shows the traceback; each CLI has its own
 --help; a finished run says so and exits 0; a failed resume ends in one line, without asyncio noise.
 
 Every bad-input case fails at start-up, before a model is built (a few seconds each)."""

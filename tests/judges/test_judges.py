@@ -522,7 +522,7 @@ def test_loop_with_a_judge_that_dies_mid_run(tmp_path):
     given.
 
     Where it goes down is deterministic: the run waits at the test hold point of iteration 2's collect phase
-    (nlac_jax/interrupts.py) until checkpoint 1 is committed; from its release the endpoint gives three more answers
+    (nlac_jax/runner/interrupts.py) until checkpoint 1 is committed; from its release the endpoint gives three more answers
     (iteration 2's own, which the resumed run asks again), then goes down for good."""
     wd, cache, marker = tmp_path / "run", tmp_path / "cache", tmp_path / "hold"
     released, after_release = threading.Event(), []

@@ -1,4 +1,4 @@
-"""The per-executable XLA options table (nlac_jax/xla_options.py) and who reads it."""
+"""The per-executable XLA options table (nlac_jax/parallel/xla_options.py) and who reads it."""
 
 import jax
 import pytest

@@ -26,7 +26,7 @@ from gcs_emulator import GcsEmulator
 
 REPO = tm.REPO
 BUCKET = "nlac-run"
-HOLD_AT = "2:targets"  # nlac_jax/interrupts.py: a deterministic point inside iteration 2
+HOLD_AT = "2:targets"  # nlac_jax/runner/interrupts.py: a deterministic point inside iteration 2
 # a guard against a hang only (nothing waits for a time): ~3 minutes on a quiet 2-core machine, far more when loaded
 GUARD_S = 1800
 

@@ -120,7 +120,7 @@ def uninterrupted_run(tmp_path_factory):
 
 
 def _start_held(workdir, iterations, hold_at, marker, extra=()):
-    """Start a run that stops at the test hold point `hold_at` ('<iteration>:<phase>', nlac_jax/interrupts.py) and
+    """Start a run that stops at the test hold point `hold_at` ('<iteration>:<phase>', nlac_jax/runner/interrupts.py) and
     wait until it is there (its marker file exists): a deterministic point, however fast the machine is."""
     env = dict(_env(1), NLAC_TEST_HOLD_AT=hold_at, NLAC_TEST_HOLD_FILE=str(marker))
     log = open(str(marker) + ".log", "w")
