@@ -1,4 +1,4 @@
-"""The NLAC loop (run by `python -m nlac_jax.train`, see train.py for the command line).
+"""The NLAC loop (run by `python -m nlac_jax.train`, see cli/train.py for the command line).
 
 Each iteration: collect episodes with π_θ → push transitions to the replay buffer → build targets (critic:
 language Bellman backups with θ̄; policy: critique + refinement with θ) → K sharded train steps (L1 + L2, EMA
@@ -8,8 +8,9 @@ Every random choice is a function of (seed, iteration, phase), and the loop's ow
 iteration) is saved with θ, θ̄, the optimiser and the PRNG key, so a run killed at any moment and resumed with
 the same command ends in the same state as an uninterrupted run (on CPU).
 
-The model it trains comes from runner/building.py (`build_model`, `ExternalModel`), its batches from
-batching.pack_train_batches, its metrics.jsonl and summary table from metrics.py.
+Its schedule is runner/config.py (`LoopConfig`), its start-up prompt checks runner/startup.py, its files
+runner/workdir.py. The model it trains comes from runner/building.py (`build_model`, `ExternalModel`), its batches
+from training/batching.py (`pack_train_batches`), its metrics.jsonl and summary table from observability/metrics.py.
 """
 
 from __future__ import annotations
@@ -20,195 +21,21 @@ import math
 import time
 from typing import Any
 
-import gin
-
+from nlac_jax.observability.metrics import MetricsWriter, summary_table
 from nlac_jax.parallel import compilations
-# At module level, unlike the loop's other imports: gin files that `import nlac_jax.runner.loop` bind build_model.*,
-
 from nlac_jax.runner import interrupts
+# config, startup and workdir hold the run's schedule, its start-up checks and its files; the loop re-exports them
+from nlac_jax.runner.config import PHASES, LoopConfig  # noqa: F401
+from nlac_jax.runner.startup import check_initial_prompts, initial_states  # noqa: F401
+from nlac_jax.runner.workdir import finished_iterations, latest_checkpoint_step, write_config_gin  # noqa: F401
 from nlac_jax.storage import fs
+# At module level, unlike the loop's other imports: gin files that `import nlac_jax.runner.loop` bind build_model.*,
 # ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
 # files are parsed).
-from nlac_jax.observability.metrics import MetricsWriter, summary_table
 from nlac_jax.judges.client import OpenAIChatModel  # noqa: F401  (registers OpenAIChatModel.* with gin)
-from nlac_jax.runner.building import ExternalModel, build_model, external_model, nl_assertion_judge
+from nlac_jax.runner.building import ExternalModel, build_model, external_model, nl_assertion_judge  # noqa: F401
 
 log = logging.getLogger("nlac_jax.runner.loop")
-
-PHASES = ("collect", "targets", "train", "eval")
-
-
-# ----------------------------------------------------------------------------- the loop's config
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """The schedule of one NLAC run (defaults: a small CPU-sized run; the gin run files set real values).
-
-    iterations: outer iterations {collect → targets → train → eval → checkpoint}.
-    episodes_per_iteration: training episodes collected per iteration; env_pool: env instances played at once, over
-      all processes (each of P processes builds ceil(env_pool / P) and plays its share of the tasks).
-    buffer_capacity: replay buffer size (FIFO).
-    critic_examples / policy_examples: transitions sampled from the buffer per iteration for each kind.
-    train_steps: optimiser steps per iteration. None = one pass over the iteration's fresh targets
-      (ceil(examples / batch_size) steps, the last batch partly padding); an integer cycles through the shuffled
-      examples for that many steps (so each target is reused train_steps * batch_size / examples times, logged as
-      train/updates_per_target). batch_size: examples per step (mixed kinds).
-    share_prefixes: each train batch is packed with its examples' shared prompt prefixes computed once
-      (training/prefix_packing.py: the same examples, the same losses, fewer tokens; rows then vary with the
-      sharing, a power of two times the data-parallel size, so a run may compile a few more train-step shapes).
-      train/tokens_presented and train/tokens_computed report what it saves. Off by default.
-    max_len: tokens per example (prompt + target). Every role prompt is fitted to max_len minus the longest target
-      it is sampled with or trained on (text.PromptFitter: middle messages of the state are elided, the system
-      prompt and task never); the run refuses to start when an initial prompt cannot fit.
-    eval_before_training: evaluate the starting policy before the first iteration (metrics row ``iteration`` 0, the
-      summary table's first line; skipped on resume, where the row is already written), so a run from a warm start
-      shows where it began. eval_every: evaluate every E iterations (and after the last); eval_episodes: held-out episodes (the fixed test tasks, cycled when
-      there are fewer tasks than episodes); calibration_transitions: (s, a) pairs for the critic diagnostics;
-      score_transitions: (s, a) pairs whose P(success) is scored for the critic's AUC and Brier score (0 = off).
-    checkpoint_every / keep_checkpoints: in iterations.
-    sampler_max_batch: prompts per sampler call; sampler_min_batch: calls are padded to at least this many rows
-      (fewer shapes to compile: rollouts' shrinking batches share one executable). sampler_compact_levels: once a
-      call has no waiting prompt, its running rows move into a batch half as large, up to this many times (0: off),
-      so the drain does not decode finished rows; each level is one more decode executable per bucket (compiled at
-      the bucket's first call): it pays off when a decode step's cost grows with its rows (a real model, long
-      caches), not on a toy model, where it only adds compile time. sampler_shared_prefix: a call's prompts that
-      share a common prefix of at least this many tokens prefill it once (`sampling.Sampler(min_shared_prefix=)`;
-      0: off).
-    Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
-    dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
-    export_hf: write θ as an HF directory (workdir/hf_export) at the end.
-    seqio_task: read the tasks through this registered seqio Task (e.g. 'nlac_math', needs requirements-seqio.txt;
-      configure it with `nlac_jax.data.task_source_from_seqio.*`) instead of `make_task_source`.
-    """
-
-    iterations: int = 4
-    episodes_per_iteration: int = 8
-    env_pool: int = 8
-    max_turns: int | None = None
-    buffer_capacity: int = 10_000
-    critic_examples: int = 8
-    policy_examples: int = 8
-    train_steps: int | None = 2
-    batch_size: int = 8
-    share_prefixes: bool = False
-    max_len: int = 1024
-    eval_before_training: bool = False
-    eval_every: int = 2
-    eval_episodes: int = 8
-    calibration_transitions: int = 8
-    score_transitions: int = 128
-    checkpoint_every: int = 1
-    keep_checkpoints: int = 2
-    sampler_max_batch: int = 64
-    sampler_min_batch: int = 16
-    sampler_compact_levels: int = 2
-    sampler_shared_prefix: int = 64
-    seed: int = 0
-    dump_examples: int = 2
-    export_hf: bool = False
-    seqio_task: str | None = None
-
-    def __post_init__(self):
-        # checked at start-up (setup.load_gin builds a LoopConfig): a bad value is refused by name before anything
-        # is built, not hours later where it is first used
-        at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
-                      "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
-        at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
-                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix")
-        for name in at_least_1:
-            _check_int(self, name, 1)
-        for name in at_least_0:
-            _check_int(self, name, 0)
-        for name in ("max_turns", "train_steps", "keep_checkpoints"):  # None: no limit / one pass / keep all
-            _check_int(self, name, 1, none_ok=True)
-        for name in ("export_hf", "eval_before_training"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"LoopConfig.{name} = {getattr(self, name)!r}: expected True or False")
-        if self.seqio_task is not None and not isinstance(self.seqio_task, str):
-            raise TypeError(f"LoopConfig.seqio_task = {self.seqio_task!r}: expected a task name or None")
-
-
-def _check_int(cfg, name: str, lo: int, none_ok: bool = False) -> None:
-    """`cfg.name` must be an int >= lo (or None when none_ok); the error names LoopConfig.<name> and the value."""
-    v = getattr(cfg, name)
-    if v is None and none_ok:
-        return
-    want = f"an integer >= {lo}" + (" or None" if none_ok else "")
-    if not isinstance(v, int) or isinstance(v, bool):  # bool is an int subclass: True is not a count
-        raise TypeError(f"LoopConfig.{name} = {v!r}: expected {want}")
-    if v < lo:
-        raise ValueError(f"LoopConfig.{name} = {v!r}: expected {want}")
-
-
-
-
-# ----------------------------------------------------------------------------- prompt lengths at start-up
-STARTUP_TASKS = 4  # tasks per split whose initial state the start-up check renders
-
-# Short stand-ins for the texts role prompts quote besides the state: the start-up check measures the part that
-# cannot be elided (system prompt + task), and the real texts are bounded by TargetConfig's character limits.
-_DUMMY = {"action": "I will proceed.", "next_observation": "OK.", "next_action": "I will continue.",
-          "future": "The agent continues and finishes the task.\nOutcome: success; Return: 1",
-          "critique": "The action is reasonable.\nVerdict: optimal"}
-
-
-def initial_states(env_factory, task_source, n_tasks: int = STARTUP_TASKS) -> list[tuple[str, list]]:
-    """(task id, initial state) for the first `n_tasks` tasks of the train and eval splits.
-
-    The envs are built with the scripted oracle / user (whatever the run uses): resetting them costs no model call,
-    and the scripted τ-bench user's first message (the scenario's reason for calling) stands in for the model's.
-    """
-    from nlac_jax import envs
-    f = env_factory
-    env = envs.EnvFactory(f.env_name, oracle="scripted", user="scripted", max_turns=f.max_turns,
-                          object_list_path=f.object_list_path)()
-    out, seen = [], set()
-    for split in dict.fromkeys((task_source.train_split, task_source.eval_split)):
-        for task in task_source.tasks(split)[:n_tasks]:
-            if task.id not in seen:
-                seen.add(task.id)
-                out.append((task.id, env.reset(task)))
-    return out
-
-
-def initial_role_prompts(prompt_set, state: list) -> dict[str, list]:
-    """Every chat role's prompt for `state` with short dummy action / future / critique texts (role -> messages)."""
-    d = _DUMMY
-    return {
-        "policy": prompt_set.policy(state),
-        "successor": prompt_set.successor(state, d["action"]),
-        "backup": prompt_set.backup(state, d["action"], 0.0, d["next_observation"], d["next_action"], d["future"],
-                                    (True, 1.0)),
-        "evaluator": prompt_set.evaluator(state, d["action"], [d["future"]]),
-        "refiner": prompt_set.refiner(state, d["action"], d["critique"], []),
-    }
-
-
-def check_initial_prompts(states: list[tuple[str, list]], prompt_set, fitter, task: str | None = None) -> dict:
-    """Start-up check: every role's prompt for every initial state must fit its budget (`fitter.budgets`).
-
-    Returns role -> the largest initial prompt in tokens. Raises ValueError (one line: task, task id, role, tokens
-    needed, budget, max_len and the gin knob) when the part that can never be elided does not fit.
-    """
-    from nlac_jax import text
-    saved, prompt_set.fitter = prompt_set.fitter, None  # measure unfitted: the initial state has nothing to elide
-    try:
-        worst: dict[str, int] = {}
-        for task_id, state in states:
-            for role, messages in initial_role_prompts(prompt_set, state).items():
-                n = fitter.count_tokens(messages)
-                worst[role] = max(worst.get(role, 0), n)
-                budget = fitter.budgets.get(role)
-                if budget is not None and n > budget:
-                    need = "" if fitter.max_len is None else f" (max_len >= {n + fitter.max_len - budget} needed)"
-                    raise text.PromptTooLongError(
-                        f"start-up check: task {task!r} (task id {task_id!r}): the initial {role!r} prompt (system "
-                        f"prompt + first user message, which are never elided) needs {n} tokens, but "
-                        f"LoopConfig.max_len={fitter.max_len} leaves {budget} for it after the longest target"
-                        f"{need}; {fitter.hint}")
-        return worst
-    finally:
-        prompt_set.fitter = saved
 
 
 # ----------------------------------------------------------------------------- the run
@@ -540,42 +367,6 @@ class NLACRun:
         files.update(new_files)
         self.checkpointer.save(self.holder.state, metadata={"env": self.env_name, "iteration": step},
                                loop_state=loop_state, step=step, force=force, files=files)
-
-
-# ----------------------------------------------------------------------------- the run's files
-def latest_checkpoint_step(directory: str, processes=None) -> int | None:
-    """The newest finished checkpoint step in `directory` (None: none), decided ONCE by process 0 and broadcast.
-
-    Collective: every process calls it, unconditionally and in the same order. Process 0 reads the directory listing
-    (orbax's own test of a finalized step, no CheckpointManager: building one runs a barrier, and whether it ran
-    must never depend on what a process happened to see on the filesystem); the others take its answer, so "resume
-    or fresh, and from which step" cannot differ between processes (a slower process once saw the `checkpoints/`
-    directory a faster one had just created and ran one barrier more: orbax's "sync_global_devices name mismatch")."""
-    import orbax.checkpoint as ocp
-    from nlac_jax.parallel.distributed import Processes
-    processes = processes or Processes.current()
-    step = None
-    if processes.is_main:
-        steps = ocp.utils.checkpoint_steps(directory) if fs.isdir(directory) else []
-        step = max(steps) if steps else None
-    if processes.count > 1:
-        step = processes.allgather_objects(step)[0]
-    return step
-
-
-def finished_iterations(workdir: str, processes=None) -> int | None:
-    """Iterations the run in `workdir` has finished according to its latest checkpoint (the loop saves iteration
-    i under step i), or None when it has none. Collective, decided on process 0 (`latest_checkpoint_step`)."""
-    return latest_checkpoint_step(fs.join(workdir, "checkpoints"), processes)
-
-
-def write_config_gin(workdir: str) -> str:
-    """Write the operative gin config to workdir/config.gin atomically (a temporary file renamed over it), so an
-    interrupted or failing write never leaves a truncated or foreign config.gin. Returns the path."""
-    path = fs.join(workdir, "config.gin")
-    text = gin.config_str()  # before touching the file: a failure here leaves the old one as it was
-    fs.write_atomic(path, text)
-    return path
 
 
 def _close_after_error(r: "NLACRun", writer: "MetricsWriter | None") -> None:
