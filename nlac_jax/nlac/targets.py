@@ -537,6 +537,32 @@ def _critique(
     return futures, [strip_think(c.text).strip() for c in crits]
 
 
+@dataclasses.dataclass
+class _PolicyChain:
+    """One state's way through ``build_policy_examples``: the action, what the critic forecast and said about it,
+    and every refinement, in order (the builder keeps one of these per state instead of parallel lists)."""
+
+    prompts: PromptSet  # the PromptSet of the state's task
+    state: list[dict]
+    task: str | None
+    policy_prompt: list[dict]
+    action: str = ""
+    action_stop_reason: str | None = None  # None for buffer actions (the buffer does not record it)
+    action_reasoning: str = ""
+    futures: list[str] = dataclasses.field(default_factory=list)  # d¹..dᵏ of a ([] when the critique is ablated)
+    critique: str = ""  # Q_L(s, a), the first critique
+    verdict: bool | None = None  # parsed from ``critique``
+    shown: str = ""  # the (truncated) critique the refiner sees now
+    critiques: list[str] = dataclasses.field(default_factory=list)  # every critique written
+    critiqued: list[str] = dataclasses.field(default_factory=list)  # the action each critique judged
+    subject: str = ""  # the action the refiner is asked to improve (= the one ``shown`` judges)
+    judged: int = 0  # len(usable) when ``shown`` was written: a longer chain has an unjudged refinement
+    usable: list[str] = dataclasses.field(default_factory=list)  # usable refinements, in order
+    usable_reasoning: list[str] = dataclasses.field(default_factory=list)  # each one's reasoning (or "")
+    refinements: list[str] = dataclasses.field(default_factory=list)  # every cleaned refiner output
+    refinement_stop_reasons: list[str] = dataclasses.field(default_factory=list)
+
+
 def build_policy_examples(
     states: Sequence[Transition | Sequence[Mapping]],
     sampler: RoleSampler,
@@ -577,151 +603,138 @@ def build_policy_examples(
     if n == 0:
         return []
 
-    msgs: list[list[dict]] = []
-    task_of: list[str | None] = []
+    chains: list[_PolicyChain] = []
     buffer_actions: list[str | None] = []
     for j, s in enumerate(states):
         if isinstance(s, Transition):
-            msgs.append(s.state)
-            task_of.append(s.task)
-            buffer_actions.append(s.action)
+            msgs, task, act = s.state, s.task, s.action
         else:
-            msgs.append([dict(m) for m in s])
-            task_of.append(None)
-            buffer_actions.append(None)
-        if actions is not None:
-            buffer_actions[j] = actions[j]
-        if tasks is not None:
-            task_of[j] = tasks[j]
-    sets = [resolve(t) for t in task_of]
-    policy_prompts = [ps.policy(s) for ps, s in zip(sets, msgs)]
+            msgs, task, act = [dict(m) for m in s], None, None
+        act = actions[j] if actions is not None else act
+        task = tasks[j] if tasks is not None else task
+        ps = resolve(task)
+        chains.append(_PolicyChain(prompts=ps, state=msgs, task=task, policy_prompt=ps.policy(msgs)))
+        buffer_actions.append(act)
 
     # a: the buffer action, or a fresh a ~ π_θ(·|s)
-    act_reasons: list[str | None]
-    if cfg.use_buffer_action or futures is not None:
+    if cfg.use_buffer_action or given is not None:
         if any(a is None for a in buffer_actions):
             raise ValueError("use_buffer_action needs Transitions or `actions` for every state")
-        acts = [str(a) for a in buffer_actions]
-        act_reasons = [None] * n  # the buffer does not record how its actions' generations stopped
-        act_reasoning = [""] * n  # nor their reasoning (the env saw the bare action)
+        for c, a in zip(chains, buffer_actions):
+            # the buffer records neither how its actions' generations stopped nor their reasoning (the env saw a)
+            c.action = str(a)
         source = "buffer"
     else:
-        sampled = _sample(sampler, policy_prompts, "policy", "policy", 1, stats)
-        acts = [clean_action(c.text) for c in sampled]
-        act_reasons = [c.stop_reason for c in sampled]
-        act_reasoning = [split_think(c.text)[0] for c in sampled]
+        for c, o in zip(chains, _sample(sampler, [c.policy_prompt for c in chains], "policy", "policy", 1, stats)):
+            c.action, c.action_stop_reason = clean_action(o.text), o.stop_reason
+            c.action_reasoning = split_think(o.text)[0]
         source = "policy"
-        stats.empty_actions += sum(1 for a in acts if not a)
+        stats.empty_actions += sum(1 for c in chains if not c.action)
 
     # d¹..dᵏ ~ M_θ(·|s, a), then Q_L = E(s, a, d¹..dᵏ); or the fixed text when the critique is ablated
     if cfg.ablate_critique:
-        futures: list[list[str]] = [[] for _ in range(n)]
-        critiques, verdicts = [""] * n, [None] * n
-        shown = [cfg.ablated_critique_text] * n
-    elif futures is not None:  # given futures (real rollouts): the evaluator reads them, no successor call
-        futures = [[truncate_summary(strip_think(d), cfg.max_summary_chars) for d in f] for f in futures]
-        crits = _sample(sampler, [ps.evaluator(s, a, f) for ps, s, a, f in zip(sets, msgs, acts, futures)],
-                        "policy", "evaluator", 1, stats)
-        critiques = [strip_think(c.text).strip() for c in crits]
+        for c in chains:
+            c.shown = cfg.ablated_critique_text
     else:
-        futures, critiques = _critique(sampler, cfg, stats, list(zip(sets, msgs, acts)))
-    if not cfg.ablate_critique:
-        verdicts = [parse_verdict(c) for c in critiques]
-        stats.verdict_optimal += sum(1 for v in verdicts if v is True)
-        stats.verdict_suboptimal += sum(1 for v in verdicts if v is False)
-        stats.verdict_unparsable += sum(1 for v in verdicts if v is None)
-        shown = [_truncate(c, cfg.max_critique_chars) for c in critiques]
-    all_critiques = [[c] for c in critiques] if not cfg.ablate_critique else [[] for _ in range(n)]
-    critiqued = [[a] for a in acts] if not cfg.ablate_critique else [[] for _ in range(n)]
+        if given is not None:  # given futures (real rollouts): the evaluator reads them, no successor call
+            futures = [[truncate_summary(strip_think(d), cfg.max_summary_chars) for d in f] for f in given]
+            crits = _sample(sampler, [c.prompts.evaluator(c.state, c.action, f) for c, f in zip(chains, futures)],
+                            "policy", "evaluator", 1, stats)
+            critiques = [strip_think(o.text).strip() for o in crits]
+        else:
+            futures, critiques = _critique(sampler, cfg, stats, [(c.prompts, c.state, c.action) for c in chains])
+        for c, fut, crit in zip(chains, futures, critiques):
+            c.futures, c.critique, c.verdict = list(fut), crit, parse_verdict(crit)
+            c.shown = _truncate(crit, cfg.max_critique_chars)
+            c.critiques, c.critiqued = [crit], [c.action]
+        stats.verdict_optimal += sum(1 for c in chains if c.verdict is True)
+        stats.verdict_suboptimal += sum(1 for c in chains if c.verdict is False)
+        stats.verdict_unparsable += sum(1 for c in chains if c.verdict is None)
 
     # aʳ_1..aʳ_m. Paper form: every round refines a under its one critique, seeing the usable refinements so
     # far. recritique: round i > 1 refines the latest usable refinement under a critique of that refinement.
-    chains: list[list[str]] = [[] for _ in range(n)]  # usable refinements
-    chain_reasoning: list[list[str]] = [[] for _ in range(n)]  # each usable refinement's reasoning (or "")
-    raws: list[list[str]] = [[] for _ in range(n)]  # every cleaned refiner output
-    raw_reasons: list[list[str]] = [[] for _ in range(n)]
-    subject = list(acts)  # the action the refiner is asked to improve (= the one ``shown[j]`` judges)
-    judged = [0] * n  # len(chains[j]) when ``shown[j]`` was written: a longer chain has an unjudged refinement
+    for c in chains:
+        c.subject = c.action
     for rnd in range(cfg.m_refinements):
         if rnd > 0 and cfg.recritique:
             # only examples with a new usable refinement need a new critique; the others keep theirs
-            redo = [j for j in range(n) if len(chains[j]) > judged[j]]
+            redo = [c for c in chains if len(c.usable) > c.judged]
             if redo:
-                _, new = _critique(sampler, cfg, stats, [(sets[j], msgs[j], chains[j][-1]) for j in redo])
+                _, new = _critique(sampler, cfg, stats, [(c.prompts, c.state, c.usable[-1]) for c in redo])
                 stats.recritiques += len(redo)
-                for j, c in zip(redo, new):
-                    subject[j], judged[j] = chains[j][-1], len(chains[j])
-                    shown[j] = _truncate(c, cfg.max_critique_chars)
-                    all_critiques[j].append(c)
-                    critiqued[j].append(subject[j])
+                for c, crit in zip(redo, new):
+                    c.subject, c.judged = c.usable[-1], len(c.usable)
+                    c.shown = _truncate(crit, cfg.max_critique_chars)
+                    c.critiques.append(crit)
+                    c.critiqued.append(c.subject)
         if cfg.recritique:
-            ref_prompts = [ps.refiner(s, a, c, []) for ps, s, a, c in zip(sets, msgs, subject, shown)]
+            ref_prompts = [c.prompts.refiner(c.state, c.subject, c.shown, []) for c in chains]
         else:
-            ref_prompts = [ps.refiner(s, a, c, ch) for ps, s, a, c, ch in zip(sets, msgs, acts, shown, chains)]
-        for j, o in enumerate(_sample(sampler, ref_prompts, "policy", "refiner", 1, stats)):
+            ref_prompts = [c.prompts.refiner(c.state, c.action, c.shown, c.usable) for c in chains]
+        for c, o in zip(chains, _sample(sampler, ref_prompts, "policy", "refiner", 1, stats)):
             r = clean_action(o.text)
-            raws[j].append(r)
-            raw_reasons[j].append(o.stop_reason)
+            c.refinements.append(r)
+            c.refinement_stop_reasons.append(o.stop_reason)
             cut = _cut(o.stop_reason, cfg)
             stats.dropped_truncated += int(cut)
             if _usable(r, cfg) and not cut:
-                chains[j].append(r)
-                chain_reasoning[j].append(split_think(o.text)[0])
+                c.usable.append(r)
+                c.usable_reasoning.append(split_think(o.text)[0])
             else:
                 stats.refinements_unusable += 1
 
     examples = []
-    for j in range(n):
+    for c in chains:
         target, dropped = "", None
         reasoning = ""
-        if chains[j] and _same_action(chains[j][-1], acts[j]) and verdicts[j] is not True:
+        if c.usable and _same_action(c.usable[-1], c.action) and c.verdict is not True:
             # the refiner handed a back unchanged, but no critique approved a (suboptimal, unparsable or
             # ablated): distilling it would teach the very action the critic rejected or never judged
             dropped = "refinement_unchanged"
             stats.refinement_unchanged_dropped += 1
-        elif chains[j]:
-            target, reasoning = chains[j][-1], chain_reasoning[j][-1]
+        elif c.usable:
+            target, reasoning = c.usable[-1], c.usable_reasoning[-1]
         elif cfg.ablate_critique:
             dropped = "no_verdict"
             stats.policy_dropped_no_verdict += 1
-        elif verdicts[j] is False:
+        elif c.verdict is False:
             dropped = "rejected"
             stats.policy_dropped_rejected += 1
-        elif verdicts[j] is None:
+        elif c.verdict is None:
             dropped = "verdict_unparsable"
             stats.policy_dropped_unparsable += 1
-        elif _cut(act_reasons[j], cfg):
+        elif _cut(c.action_stop_reason, cfg):
             dropped = "action_truncated"
             stats.dropped_truncated += 1
             stats.policy_dropped_action += 1
-        elif not _usable(acts[j], cfg):
+        elif not _usable(c.action, cfg):
             dropped = "action_unusable"
             stats.policy_dropped_action += 1
         else:
-            target, reasoning = acts[j], act_reasoning[j]  # judged optimal, no usable refinement: distil a itself
+            target, reasoning = c.action, c.action_reasoning  # judged optimal, no usable refinement: distil a itself
         if dropped is None:
-            stats.refinement_unchanged += int(_same_action(target, acts[j]))
+            stats.refinement_unchanged += int(_same_action(target, c.action))
             if cfg.keep_reasoning:
                 target = with_reasoning(reasoning, target)
         examples.append(
             PolicyExample(
-                prompt_messages=policy_prompts[j],
+                prompt_messages=c.policy_prompt,
                 target_text=target,
                 weight=cfg.policy_example_weight,
-                task=task_of[j],
-                state=msgs[j],
-                action=acts[j],
+                task=c.task,
+                state=c.state,
+                action=c.action,
                 action_source=source,
-                action_stop_reason=act_reasons[j],
-                futures=futures[j],
+                action_stop_reason=c.action_stop_reason,
+                futures=c.futures,
                 futures_from="M_θ" if given is None else "real rollouts",
-                critique=critiques[j],
-                verdict=verdicts[j],
-                critiques=all_critiques[j],
-                critiqued_actions=critiqued[j],
+                critique=c.critique,
+                verdict=c.verdict,
+                critiques=c.critiques,
+                critiqued_actions=c.critiqued,
                 critique_ablated=cfg.ablate_critique,
-                refinements=raws[j],
-                refinement_stop_reasons=raw_reasons[j],
+                refinements=c.refinements,
+                refinement_stop_reasons=c.refinement_stop_reasons,
                 dropped=dropped,
             )
         )
