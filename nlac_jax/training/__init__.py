@@ -10,8 +10,8 @@
 """
 
 from nlac_jax.training.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointRestoreError,
-                                         CheckpointSpaceError, Restored,
-                                         export_hf, run_fingerprint)
+                                         CheckpointSpaceError, Restored, run_fingerprint)
+from nlac_jax.training.export import export_hf
 from nlac_jax.training.loss import NORMALISATIONS, loss_coefficients, shift_targets, token_nll
 from nlac_jax.training.optim import Optimizer, decay_mask, make_optimizer, make_schedule
 from nlac_jax.training.state import (TrainState, abstract_train_state, create_train_state, state_shardings)

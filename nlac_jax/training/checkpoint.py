@@ -1,4 +1,6 @@
-"""Orbax checkpoints of the TrainState (+ JSON metadata + the NLAC loop's own JSON state), and HF export.
+"""Orbax checkpoints of the TrainState (+ JSON metadata + the NLAC loop's own JSON state).
+
+Array checksums live in training/checksums.py, the HF export in training/export.py.
 
     ckpt = Checkpointer(directory, fingerprint=run_fingerprint(cfg, env="toy"))   # gin: Checkpointer.*
     ckpt.save(state, metadata={...}, loop_state={...})   # saves when step % save_every == 0 (or force=True)
@@ -36,7 +38,6 @@ Integrity (nothing lost):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import hashlib
 import json
@@ -51,9 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nlac_jax.models import hf_io
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.storage import fs
+from nlac_jax.training.checksums import _checksums_of_leaves, _layout, array_checksums, leaf_names
 from nlac_jax.training.state import TrainState
 
 ITEMS = ("state", "metadata", "loop_state")
@@ -207,92 +208,6 @@ def _checked_files(files) -> dict:
             raise TypeError(f"checkpoint file {name!r}: expected bytes (write it) or the sha256 of a file an earlier "
                             f"step wrote, got {type(v).__name__}")
     return files
-
-
-# ----------------------------------------------------------------------------- array checksums
-def leaf_names(tree) -> list[str]:
-    """'params/embed/embedding'-style names of the leaves of `tree`, in tree order."""
-    def part(k):
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                return str(getattr(k, attr))
-        return str(k)
-    return ["/".join(part(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
-
-
-def _fmix32(h):
-    """murmur3's finaliser: every input bit flips about half the output bits."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
-def _words(x):
-    """The array's bits as uint32 words (an extra trailing axis for 8-byte dtypes)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = jnp.dtype(x.dtype).itemsize
-    if size >= 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, jnp.uint16 if size == 2 else jnp.uint8).astype(jnp.uint32)
-
-
-def _leaf_checksum(x):
-    """Two 32-bit lanes of sum_i fmix32(word_i ^ hash_lane(position_i)) mod 2^32.
-
-    Integer addition mod 2^32 is exact and order-free, so any sharding / reduction order gives the same value;
-    fmix32 is a bijection, so a change of any single word always changes both lanes, and several changes cancel
-    out with probability ~2^-64."""
-    w = _words(x)
-    lanes = []
-    for salt in (0x9E3779B1, 0x7F4A7C15):
-        m = jnp.uint32(salt)
-        for axis, n in enumerate(w.shape):
-            idx = jnp.arange(n, dtype=jnp.uint32) * np.uint32(0x9E3779B1) + np.uint32((salt + axis * 0x632BE5AB)
-                                                                                         & 0xFFFFFFFF)
-            shape = [1] * w.ndim
-            shape[axis] = n
-            m = m ^ _fmix32(idx).reshape(shape)
-        lanes.append(jnp.sum(_fmix32(w ^ _fmix32(m)), dtype=jnp.uint32))
-    return jnp.stack(lanes)
-
-
-def _stacked_checksums(leaves):
-    return jnp.stack([_leaf_checksum(x) for x in leaves])
-
-
-@functools.lru_cache(maxsize=None)
-def _checksum_fn(out_sharding):
-    if out_sharding is None:
-        return jax.jit(_stacked_checksums)
-    return jax.jit(_stacked_checksums, out_shardings=out_sharding)
-
-
-def _checksums_of_leaves(leaves: list) -> list[str]:
-    if not leaves:
-        return []
-    sh = getattr(leaves[0], "sharding", None)
-    out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()) \
-        if isinstance(sh, jax.sharding.NamedSharding) else None  # replicated: every process can read it
-    sums = _checksum_fn(out)(list(leaves))
-    sums = np.asarray(sums.addressable_data(0)) if hasattr(sums, "addressable_data") else np.asarray(sums)
-    return [f"{int(a):08x}{int(b):08x}" for a, b in sums]
-
-
-def array_checksums(tree) -> dict[str, str]:
-    """name (see leaf_names) -> 16 hex digits content checksum of every array of `tree` (jax arrays, any sharding).
-
-    Computed on the devices where the arrays live; identical for the same values on any mesh. Every process must
-    call it (it is one collective computation)."""
-    return dict(zip(leaf_names(tree), _checksums_of_leaves(jax.tree.leaves(tree))))
-
-
-def _layout(tree) -> dict[str, list]:
-    return {n: [list(x.shape), str(jnp.dtype(x.dtype))] for n, x in zip(leaf_names(tree), jax.tree.leaves(tree))}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -765,13 +680,3 @@ def _mesh_of(state: TrainState) -> dict:
     leaf = jax.tree.leaves(state.params)[0]
     mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
     return {str(k): int(v) for k, v in mesh.shape.items()} if mesh is not None else {}
-
-
-def export_hf(out_dir: str, cfg: ModelConfig, state: TrainState, which: str = "params", dtype: str | None = None,
-              max_shard_bytes: int = 2 * 1024 ** 3) -> list[str]:
-    """Write θ (which='params') or θ̄ (which='target') as an HF directory (config.json + safetensors) via
-    hf_io.save_params. dtype: on-disk dtype (default cfg.param_dtype). Every process must call it."""
-    if which not in ("params", "target"):
-        raise ValueError(f"which={which!r}: expected 'params' (θ) or 'target' (θ̄)")
-    params = state.params if which == "params" else state.target_params
-    return hf_io.save_params(out_dir, cfg, params, max_shard_bytes=max_shard_bytes, dtype=dtype)

@@ -15,6 +15,7 @@ from nlac_jax import models, training
 from nlac_jax.models import hf_io
 from nlac_jax.parallel import sharding
 from nlac_jax.training import checkpoint as ckpt_lib
+from nlac_jax.training import checksums
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -322,14 +323,14 @@ def test_checksums_do_not_depend_on_the_mesh(setup):
     s = setup
     state = training.create_train_state(CFG, s["mesh_a"], s["opt"], seed=7)
     on_b = jax.device_put(host(state), training.state_shardings(CFG, s["mesh_b"], s["opt"]))
-    a, b = ckpt_lib.array_checksums(state), ckpt_lib.array_checksums(on_b)
+    a, b = checksums.array_checksums(state), checksums.array_checksums(on_b)
     assert a == b
     assert a["params/embed/embedding"] == a["target_params/embed/embedding"]  # θ̄ starts as θ
     assert a["params/embed/embedding"] != a["opt_state/1/0/mu/embed/embedding"]  # zeros
     flipped = jax.tree.map(np.array, host(state))  # writable copies
     kernel = flipped.params["layers"]["mlp"]["up_proj"]["kernel"]
     kernel.view(np.uint32)[1, 3, 5] ^= 1 << 30  # one exponent bit of one word
-    c = ckpt_lib.array_checksums(jax.device_put(flipped, training.state_shardings(CFG, s["mesh_b"], s["opt"])))
+    c = checksums.array_checksums(jax.device_put(flipped, training.state_shardings(CFG, s["mesh_b"], s["opt"])))
     assert [n for n in a if a[n] != c[n]] == ["params/layers/mlp/up_proj/kernel"]
 
 
