@@ -11,9 +11,11 @@
 Files
 -----
 One concern per module; this one holds only these notes and the re-exports.
-* `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate`, `GenerateOutput`,
-  `OVERFLOW_POLICIES`, `shared_prefix_length`, `prefix_to_share` (argument checks, prompt encoding, context
-  overflow, the shared prefix, buckets and padding, output assembly).
+* `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate`, `GenerateOutput` (buckets and
+  padding, continuous batching, output assembly).
+* `requests.py`: what one call asks for, checked and prepared before anything compiles: argument checks and the
+  seed, prompt encoding, the context-overflow policy (`OVERFLOW_POLICIES`), the stop-string table, the shared
+  prefix (`shared_prefix_length`, `prefix_to_share`).
 * `decode.py`: the compiled decode loop: `DecodeState`, `controls` (the traced settings), `prefill_impl`,
   `decode_impl` (what a Sampler jits), `STOP_REASONS`, `TRACE_COUNTS`.
 * The model itself (`models.decoder`) owns the forward pass: `prefill`, `decode_step`, `init_cache`, `lm_head`.
@@ -111,8 +113,8 @@ Design
 
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
-from nlac_jax.sampling.sampler import (OVERFLOW_POLICIES, GenerateOutput, Sampler, generate, get_sampler,
-                                       prefix_to_share, shared_prefix_length)
+from nlac_jax.sampling.requests import OVERFLOW_POLICIES, prefix_to_share, shared_prefix_length
+from nlac_jax.sampling.sampler import GenerateOutput, Sampler, generate, get_sampler
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
 from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_table, host_stop_string_cut,
                                             stop_string_table, token_bytes)

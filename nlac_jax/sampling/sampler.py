@@ -1,15 +1,14 @@
 """The public host-side API: `Sampler` (compiled prefill + decode for one config and mesh), `get_sampler`, `generate`.
 
-Host work only: argument checks, prompt encoding, context-overflow policy, bucketing and padding, the stop-id and
-stop-string tables, and turning the device buffers into a `GenerateOutput` (texts cut at stops). The compiled code
-is in `decode`.
+Host work only: bucketing and padding, continuous batching, and turning the device buffers into a `GenerateOutput`
+(texts cut at stops). What a call asks for is checked and prepared in `requests` (arguments, prompt encoding, the
+context-overflow policy, stop strings, the shared prefix); the compiled code is in `decode`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 from typing import Sequence
 
@@ -22,20 +21,19 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.parallel import sharding
 from nlac_jax.parallel import xla_options
-from nlac_jax.text import bucket_floor, bucket_length  # the one bucketing rule (prompts, batches, budgets)
+from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl)
-from nlac_jax.sampling.stop_strings import cut_text, decode_text, device_stop_table, host_stop_string_cut
+from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args,
+                                        encode_prompts, prefix_to_share, shared_prefix_length, stop_table)
+from nlac_jax.sampling.stop_strings import cut_text, decode_text, host_stop_string_cut
 
 log = logging.getLogger(__name__)
 Array = jax.Array
 
-OVERFLOW_POLICIES = ("truncate_left", "error", "stop")
 
 _MIN_PROMPT_BUCKET = 16
 _MIN_NEW_BUCKET = 16
-_MIN_SHARED_PREFIX = 64  # a call's common prompt prefix shorter than this is not worth its own executable
-_PREFIX_STEPS = 8  # shared prefixes are rounded down to 8 lengths per power of two (loses < 1/8 of the sharing)
 
 
 @dataclasses.dataclass
@@ -68,62 +66,6 @@ class GenerateOutput:
     def token_lists(self) -> list[list[int]]:
         """Generated ids per row, without the masked tail."""
         return [self.tokens[b, : self.lengths[b]].tolist() for b in range(len(self.lengths))]
-
-
-def _check_sampling_args(temperature, top_k, top_p) -> None:
-    """Refuse values the compiled filters would silently ignore or turn into garbage (top_p > 1 and top_k < 0 act
-    as 'off', a NaN temperature samples from NaN logits), naming the argument and the value."""
-    try:
-        t, p = float(temperature), float(top_p)
-    except (TypeError, ValueError):
-        raise TypeError(f"temperature={temperature!r}, top_p={top_p!r}: expected numbers") from None
-    if not (math.isfinite(t) and t >= 0.0):
-        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
-    if not (0.0 < p <= 1.0):  # NaN fails too
-        raise ValueError(f"top_p={top_p!r}: expected a number in (0, 1] (1 = off)")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r}: expected an integer >= 0 (0 = off)")
-
-
-def _as_key(seed) -> Array:
-    if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-        return seed
-    if isinstance(seed, (jax.Array, np.ndarray)) and seed.dtype == np.uint32 and seed.shape == (2,):
-        return jax.random.wrap_key_data(seed)
-    seed = int(seed) % (1 << 64)  # any Python int; 64 bits kept (jax.random.key would drop the high bits)
-    if seed < (1 << 32):
-        return jax.random.key(seed)  # == threefry key data [0, seed]
-    return jax.random.wrap_key_data(np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
-
-
-def shared_prefix_length(prompts: Sequence[list], minimum: int = _MIN_SHARED_PREFIX) -> int:
-    """Tokens of the prompts' (token-id lists) common prefix that one `generate` call prefills once, 0 for none:
-    two or more prompts, every one keeping at least one token of its own (the first sampled token reads its last
-    position), at least `minimum` tokens (0: never share). `prefix_to_share` picks how much of it is shared."""
-    if minimum <= 0 or len(prompts) < 2:
-        return 0
-    a = np.asarray(prompts[0][: min(len(p) for p in prompts) - 1], np.int64)
-    L = len(a)
-    for p in prompts[1:]:
-        if L == 0:
-            break
-        diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
-        L = int(diff[0]) if diff.size else L
-    return L if L >= minimum else 0
-
-
-def prefix_to_share(common: int, used: Sequence[int] = (), minimum: int = _MIN_SHARED_PREFIX) -> int:
-    """How many of a call's `common` shared prefix tokens (`shared_prefix_length`) it prefills once: the longest
-    length in `used` (those this sampler already compiled at the call's prompt bucket) within [3/4 common, common],
-    else `common` rounded DOWN to one of 8 lengths per power of two (`text.bucket_floor`). So the prefix needs no
-    padding, and the shapes depend on the data only through a coarse, sticky value: the common prefix of one role's
-    prompts varies by a few tokens from call to call (the transcripts' first turns), and a length compiled once is
-    reused instead of compiling its neighbour (the loop's no-recompilation guarantee after the first iteration).
-    At most a quarter of the sharing is given up. 0 for `common` 0."""
-    if common <= 0:
-        return 0
-    near = [p for p in used if 3 * common <= 4 * p <= 4 * common]
-    return max(near) if near else bucket_floor(common, min(minimum, common), _PREFIX_STEPS)
 
 
 class Sampler:
@@ -272,64 +214,6 @@ class Sampler:
         return (b, bucket_length(longest_prompt, self.min_prompt_bucket, fine=True),
                 bucket_length(max_new_tokens, self.min_new_bucket))
 
-    def _encode_prompts(self, prompts, tokenizer) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-            raise TypeError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if tokenizer is None:
-                    raise ValueError(f"prompt {i} is a string but no tokenizer was given (pass tokenizer=)")
-                from nlac_jax import text
-                p = text.encode_text(tokenizer, p)
-            p = [int(t) for t in np.asarray(p).reshape(-1)]
-            if not p:
-                raise ValueError(f"prompt {i} is empty; the sampler needs at least one prompt token")
-            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-            out.append(p)
-        if not out:
-            raise ValueError("generate needs at least one prompt")
-        return out
-
-    def _apply_overflow(self, prompts, max_new_tokens, context, overflow):
-        dropped = np.zeros(len(prompts), np.int32)
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow={overflow!r} is not one of {OVERFLOW_POLICIES}")
-        out = []
-        for i, p in enumerate(prompts):
-            n = len(p)
-            if n + max_new_tokens <= context:
-                out.append(p)
-            elif overflow == "error":
-                raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that is "
-                                 f"{n + max_new_tokens} > the model context of {context} tokens (overflow='error'; "
-                                 f"use overflow='truncate_left' or 'stop', or shorten the prompt)")
-            elif overflow == "truncate_left":
-                if max_new_tokens >= context:
-                    raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model context "
-                                     f"of {context} tokens (overflow='truncate_left' needs max_new_tokens < context)")
-                keep = context - max_new_tokens
-                dropped[i] = n - keep
-                log.warning("prompt %d: %d tokens + max_new_tokens=%d > context %d: dropped its first %d tokens "
-                            "(overflow='truncate_left')", i, n, max_new_tokens, context, n - keep)
-                out.append(p[n - keep:])
-            else:  # stop
-                if n >= context:
-                    raise ValueError(f"prompt {i} has {n} tokens, which fills the model context of {context} tokens: "
-                                     f"nothing can be generated (overflow='stop'; use 'truncate_left')")
-                out.append(p)
-        return out, dropped
-
-    def _stop_table(self, tokenizer, stop_strings):
-        """(device table or None, host_check) for the stop strings."""
-        if not stop_strings:
-            return None, False
-        if tokenizer is None:
-            raise ValueError(f"stop_strings={list(stop_strings)!r} need a tokenizer (pass tokenizer=)")
-        return device_stop_table(tokenizer, self.cfg.vocab_size, stop_strings)
-
     # ------------------------------------------------------------------ main entry
     def generate(self, params, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids=None, stop_strings: Sequence[str] = (), seed=0, tokenizer=None,
@@ -352,7 +236,7 @@ class Sampler:
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        _check_sampling_args(temperature, top_k, top_p)
+        check_sampling_args(temperature, top_k, top_p)
         if isinstance(stop_strings, str):
             stop_strings = (stop_strings,)
         stop_strings = tuple(s for s in stop_strings)
@@ -370,13 +254,13 @@ class Sampler:
         stop_token_ids = tuple(int(t) for t in stop_token_ids)
         context = int(max_context if max_context is not None else cfg.max_position_embeddings)
 
-        prompts = self._encode_prompts(prompts, tokenizer)
-        prompts, dropped = self._apply_overflow(prompts, max_new_tokens, context, overflow)
+        prompts = encode_prompts(prompts, tokenizer, self.cfg.vocab_size)
+        prompts, dropped = apply_overflow(prompts, max_new_tokens, context, overflow)
         stop_ids = np.full((bucket_length(len(stop_token_ids), MIN_STOP_SLOTS),), -1, np.int32)
         stop_ids[: len(stop_token_ids)] = stop_token_ids
-        table, host_check = self._stop_table(tokenizer, stop_strings)
+        table, host_check = stop_table(tokenizer, self.cfg.vocab_size, stop_strings)
         ctl = controls(temperature, top_k, top_p, max_new_tokens, context, jnp.asarray(stop_ids), table)
-        key = _as_key(seed)
+        key = as_key(seed)
         B = len(prompts) * per_prompt
         common = self.shared_prefix_length(prompts)
         with self._mesh_ctx():
