@@ -40,13 +40,18 @@ from typing import Optional, Sequence
 import gin
 import numpy as np
 
+from nlac_jax import sampling
 from nlac_jax.envs.base import Task, TaskCursor
-from nlac_jax.envs.toy import WASTED_REPLY, GuessNumberEnv, GuessNumberTaskSource, is_wasted, parse_guess
+from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, WASTED_REPLY, is_wasted, parse_guess
 from nlac_jax.envs.transition import Transition
+from nlac_jax.experiments import warm_start
 from nlac_jax.experiments.corpus import CorpusExample, consistent_interval, play_episode
+from nlac_jax.nlac import evaluation
+from nlac_jax.nlac.model_roles import ModelRoleSampler
 from nlac_jax.nlac.prompts import PromptSet, render_transcript
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
 from nlac_jax.nlac.verdict import outcome_line, parse_outcome
+from nlac_jax.rl.roles import RoleSampling, check_samples, group
 
 __all__ = [
     "PROMPT_SET",
@@ -385,7 +390,6 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     minus over the numbers it spares (NaN for a rule that wastes nothing). A critic that learned the RL game reads
     high on _rl and low on _other; a rule-free warm start reads the same base rate on both.
     """
-    from nlac_jax.rl.roles import check_samples, group
     env = _env(n, max_turns)
     state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
     rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
@@ -459,7 +463,6 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     p_out_of_range > 0 (the corpus's range critique, :func:`build_forecast_examples`): the probe's corpus has it
     too, and skill/evaluator_range is the verdict's accuracy on up to ``per_role`` evaluator prompts whose guess is
     outside the possible range (an extra call)."""
-    from nlac_jax.rl.roles import check_samples
     ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts,
                                  p_out_of_range=p_out_of_range)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
@@ -547,10 +550,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError:
         p.error(f"--wasted: expected one of {sorted(WASTE_RULES)} or a comma list of whole numbers, "
                 f"got {args.wasted!r}")
-    from nlac_jax import sampling
-    from nlac_jax.experiments import warm_start
-    from nlac_jax.nlac.model_roles import ModelRoleSampler
-    from nlac_jax.rl.roles import RoleSampling
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
     settings = RoleSampling(temperatures={"policy": args.policy_temperature},
                             max_new_tokens={"policy": 6, "successor": args.successor_tokens,
@@ -560,7 +559,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = waste_probe(roles, ps, args.n, args.waste_every, args.corpus_waste_every, wasted_numbers=wasted)
     out.update(skill_probe(roles, ps, args.n, p_out_of_range=args.p_out_of_range))
     if args.policy_episodes > 0:
-        from nlac_jax.nlac import evaluation
         tasks = [t for t in GuessNumberTaskSource(args.n).tasks("test") for _ in range(args.policy_episodes)]
         envs = [_env(args.n, None, args.waste_every, wasted) for _ in range(min(len(tasks), 64))]
         m, _ = evaluation.evaluate(envs, tasks, roles, ps, _env(args.n, None, args.waste_every, wasted),

@@ -24,11 +24,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from nlac_jax import sampling
 from nlac_jax.envs.base import TaskCursor
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
-from nlac_jax.experiments import corpus_forecast as F
+from nlac_jax.experiments import corpus_forecast as F, warm_start
 from nlac_jax.experiments.corpus import CorpusExample, play_episode
+from nlac_jax.nlac.model_roles import ModelRoleSampler
 from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.rl.roles import RoleSampling
 
 RULES = F.WASTE_RULES
 BATCH = 16
@@ -68,7 +71,6 @@ def mixture(successor: Sequence, policy: Sequence, steps: int, share: float, see
 def train(cfg, tok, params, examples: Sequence, steps: int, lr: float):
     """``steps`` updates of batch 16 at constant ``lr`` from ``params`` (host arrays); returns the new params."""
     import jax
-    from nlac_jax.experiments import warm_start
     state = warm_start.train_warm_start(cfg, tok, examples, steps, BATCH, lr, 0, 320, params=params, warmup_steps=1,
                                         end_lr_ratio=1.0, bucket_multiple=320, log_every=10 ** 9)
     return jax.device_get(state.params)
@@ -76,9 +78,6 @@ def train(cfg, tok, params, examples: Sequence, steps: int, lr: float):
 
 def probe(cfg, tok, params, rule: str, n: int) -> dict:
     """The successor's scored P(wasted) on ``rule``'s numbers (``_rl``) and on the others, at the opening state."""
-    from nlac_jax import sampling
-    from nlac_jax.nlac.model_roles import ModelRoleSampler
-    from nlac_jax.rl.roles import RoleSampling
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params,
                              settings=RoleSampling(max_new_tokens={"policy": 6, "successor": 40}))
     out = F.waste_probe(roles, PromptSet(task="toy", prompt_set=F.PROMPT_SET), n, 0, 0,
@@ -98,7 +97,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--n", type=int, default=32)
     args = p.parse_args(argv)
     import jax
-    from nlac_jax.experiments import warm_start
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
     params = jax.device_get(params)
     policy = [e for e in F.forecast_corpus(args.n, 100, 5, skill_episodes=0, corpus_waste_p=0.35)

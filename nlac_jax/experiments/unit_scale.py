@@ -27,6 +27,14 @@ import time
 
 import gin
 import numpy as np
+from nlac_jax import training
+from nlac_jax.cli import common as cli, setup
+from nlac_jax.experiments import arms, corpus, corpus_forecast, warm_start
+from nlac_jax.experiments.arms import ARMS
+from nlac_jax.experiments.config import UnitScaleConfig
+from nlac_jax.models import hf_io
+from nlac_jax.rl import ReplayBuffer
+from nlac_jax.runner import building, loop
 
 log = logging.getLogger("nlac_jax.experiments.unit_scale")
 
@@ -49,7 +57,6 @@ def warm_start_dir(workdir: str, xcfg, seed: int) -> str:
 
 def corpus_examples(xcfg, corpus_seed: int) -> tuple[list, dict]:
     """(examples, statistics) of the configured corpus (`UnitScaleConfig.corpus`) for ``corpus_seed``."""
-    from nlac_jax.experiments import corpus, corpus_forecast
     if xcfg.corpus == "toy_forecast":
         examples = corpus_forecast.forecast_corpus(xcfg.n, xcfg.corpus_episodes, corpus_seed)
     else:
@@ -66,8 +73,6 @@ def repeat_roles(examples: list, repeat: dict) -> list:
 def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused).
     Per-seed warm starts use corpus seed ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
-    from nlac_jax.experiments import warm_start
-    from nlac_jax.runner import building
     out = warm_start_dir(workdir, xcfg, seed)
     if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
         _progress(workdir, f"warm start: reusing {out}")
@@ -103,7 +108,6 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
 # ----------------------------------------------------------------------------------------------- arms
 def _fresh_state(run, warm_params, seed: int):
     import jax
-    from nlac_jax import training
     params = jax.tree.map(np.array, warm_params)  # a private copy: the new state takes over its buffers
     return training.create_train_state(run.cfg, run.mesh, run.optimizer, params=params, seed=seed,
                                        donate_params=True)
@@ -112,14 +116,12 @@ def _fresh_state(run, warm_params, seed: int):
 def _load_params(run, directory: str):
     """Host copies of the parameters saved in ``directory`` (a warm start of the run's architecture)."""
     import jax
-    from nlac_jax.models import hf_io
     return jax.device_get(hf_io.load_params(directory, run.cfg))
 
 
 def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> None:
     """Point the shared run at a new (arm, seed): warm-start θ = θ̄, fresh optimiser, buffer and task cursor.
     ``run.warm_params`` keeps the seed's warm-start parameters (host arrays) for arms that need them untouched."""
-    from nlac_jax.rl import ReplayBuffer
     run.warm_params = warm_params
     run.loop = dataclasses.replace(run.base_loop, seed=seed, iterations=iterations, eval_every=eval_every)
     run.holder.state = _fresh_state(run, warm_params, seed)
@@ -131,7 +133,6 @@ def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> Non
 def rehearsal_pool(xcfg, seed: int) -> list:
     """The skill examples every trained arm of seed ``seed`` rehearses (`UnitScaleConfig.rehearsal_examples`): the
     backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste sets, no rule)."""
-    from nlac_jax.experiments import corpus_forecast
     if xcfg.corpus != "toy_forecast":
         raise ValueError("UnitScaleConfig.rehearsal_examples needs corpus = 'toy_forecast' (its skill games)")
     offset = seed if xcfg.warm_start_per_seed else 0
@@ -147,7 +148,6 @@ def probe(run, xcfg) -> dict:
     and read what they must); {} for other corpora."""
     if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "has_waste", False):
         return {}
-    from nlac_jax.experiments import corpus_forecast
     env = run.judge_env
     out = corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, env.waste_every, corpus_rule(),
                                       wasted_numbers=sorted(env.wasted_numbers))
@@ -159,14 +159,12 @@ def probe(run, xcfg) -> dict:
 def corpus_rule() -> int:
     """The learned-critic corpus game's waste rule (multiples of this; 0 = a rule-free corpus game, whose
     episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`)."""
-    from nlac_jax.experiments import corpus_forecast
     b = gin.get_bindings(corpus_forecast.forecast_corpus)
     return 0 if b.get("corpus_waste_p") is not None else int(b.get("corpus_waste_every", 2))
 
 
 def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_eval: dict) -> list[dict]:
     """Iterations of one arm from the warm start; returns its metric rows (row 0 = the warm start's evaluation)."""
-    from nlac_jax.experiments import arms
     _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
     rows = [{"iteration": 0, **initial_eval}]
     learner = arms.make_learner(arm, run, group_size=xcfg.grpo_group_size)
@@ -240,7 +238,6 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None) -
 
 
 def _curves(ax, results: dict, key: str, title: str) -> None:
-    from nlac_jax.experiments.arms import ARMS
     for arm, per_seed in results.items():
         color = f"C{ARMS.index(arm) % 10}"  # one colour per arm in every panel and figure
         series = {}
@@ -331,9 +328,6 @@ _HEADLINE = ("eval/success_rate", "eval/critic_auc", "eval/critic_brier", "eval/
 def run_experiment(workdir: str) -> dict:
     """Warm start (cached), every (arm, seed) not yet done, then the table and the plots. Returns the results."""
     import jax
-    from nlac_jax.experiments import corpus, corpus_forecast
-    from nlac_jax.experiments.config import UnitScaleConfig
-    from nlac_jax.runner import loop
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     xcfg = UnitScaleConfig()
@@ -426,8 +420,6 @@ PROG = "python -m nlac_jax.experiments.unit_scale"
 
 def build_parser():
     """The experiment CLI's parser."""
-    from nlac_jax.cli import common as cli
-    from nlac_jax.cli import setup
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
     cli.add_gin_file_flags(p, "gin/experiments/unit_toy.gin", "experiments.UnitScaleConfig.seeds = (0,)")
     p.add_argument("--workdir", required=True, metavar="DIR",
@@ -441,12 +433,10 @@ def build_parser():
 def main(argv=None) -> int:
     """The experiment's CLI (module docstring). Exit codes as nlac_jax.train: 2 usage/configuration error, 1 other
     errors, one line each (--debug: the traceback)."""
-    from nlac_jax.cli import setup
     flags = build_parser().parse_args(argv)
     setup.setup_logging()
     import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
     setup.load_gin(flags.gin_file, flags.gin_param)
-    from nlac_jax.experiments.config import UnitScaleConfig
     try:
         UnitScaleConfig()
     except (ValueError, TypeError) as e:
@@ -458,5 +448,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from nlac_jax.cli import common as cli
     sys.exit(cli.run(main, prog=PROG))

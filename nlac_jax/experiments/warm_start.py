@@ -26,6 +26,17 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from nlac_jax import models, sampling, text, training
+from nlac_jax.envs.base import BatchedRunner
+from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
+from nlac_jax.experiments import corpus
+from nlac_jax.models import hf_io
+from nlac_jax.models.decoder import CausalLM
+from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
+from nlac_jax.parallel import sharding
+from nlac_jax.runner.building import build_model
+from nlac_jax.training import batching, loss as loss_lib
 
 log = logging.getLogger("nlac_jax.experiments.warm_start")
 
@@ -55,7 +66,6 @@ def _role(e: Any) -> str:
 def encode_examples(tokenizer, examples: Sequence[Any], max_len: int) -> tuple[list, list[str], int]:
     """(batching.Examples, their roles, number dropped): chat_example per corpus example; examples whose prompt +
     target exceed ``max_len`` are DROPPED (a left-truncated prompt would lose the game's rules)."""
-    from nlac_jax.training import batching
     out, roles, dropped = [], [], 0
     for e in examples:
         ex = batching.chat_example(tokenizer, **_training_dict(e))
@@ -70,7 +80,6 @@ def encode_examples(tokenizer, examples: Sequence[Any], max_len: int) -> tuple[l
 def padded_length(n: int, max_len: int, multiple: Optional[int] = None) -> int:
     """The row length a batch of examples of length ``n`` is padded to: ``text.bucket_length`` (powers of two),
     or, with ``multiple``, ``n`` rounded up to a multiple of it (finer buckets: less padding, more compiles)."""
-    from nlac_jax import text
     if multiple is None:
         return text.bucket_length(int(n), 16, max_len)
     if n > max_len:
@@ -104,8 +113,6 @@ def _eval_loss_fn(cfg):
     """Jitted (params, ids, positions, mask, loss_mask) -> per-row mean target-token NLL."""
     import jax
     import jax.numpy as jnp
-    from nlac_jax.models.decoder import CausalLM
-    from nlac_jax.training import loss as loss_lib
 
     @jax.jit
     def fn(params, ids, positions, mask, loss_mask):
@@ -123,7 +130,6 @@ def role_losses(cfg, params, tokenizer, examples: Sequence[Any], max_len: int,
                 batch_size: int = 16) -> dict[str, float]:
     """Mean per-example target NLL (nats/token) per role on ``examples`` (no gradient)."""
     import jax
-    from nlac_jax.training import batching
     encoded, roles, _ = encode_examples(tokenizer, examples, max_len)
     if not encoded:
         return {}
@@ -164,9 +170,6 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
     on_record: called with each logged record (e.g. to write the progress of a long warm start to a file).
     """
     import jax
-    from nlac_jax import training
-    from nlac_jax.training import batching
-    from nlac_jax.parallel import sharding
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     mesh = mesh if mesh is not None else sharding.make_mesh()
@@ -222,7 +225,6 @@ def train_warm_start(model_cfg, tokenizer, examples: Sequence[Any], steps: int, 
 def save_warm_start(state, cfg, tokenizer, directory: str, metadata: Optional[dict] = None) -> str:
     """Write θ as an HF directory (config.json + safetensors via ``training.export_hf``), the tokenizer (with its
     chat template) and ``warm_start.json`` (``metadata``). ``building.build_model(model_dir=directory)`` loads it."""
-    from nlac_jax import training
     os.makedirs(directory, exist_ok=True)
     training.export_hf(directory, cfg, state, which="params")
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json, where text.load_tokenizer reads it
@@ -236,9 +238,6 @@ def save_warm_start(state, cfg, tokenizer, directory: str, metadata: Optional[di
 def load_warm_start(directory: str, dtype: str = "float32", mesh=None) -> tuple:
     """(ModelConfig, tokenizer, params) from a :func:`save_warm_start` directory, through ``building.build_model``
     (exactly how NLACRun reads ``build_model.model_dir``)."""
-    from nlac_jax import models
-    from nlac_jax.models import hf_io
-    from nlac_jax.runner.building import build_model
     cfg, tok, _ = build_model(model_dir=directory, dtype=dtype, param_dtype="float32")
     shardings = models.param_shardings(cfg, mesh) if mesh is not None else None
     return cfg, tok, hf_io.load_params(directory, cfg, shardings)
@@ -250,8 +249,6 @@ def load_warm_start(directory: str, dtype: str = "float32", mesh=None) -> tuple:
 def generate_texts(cfg, params, tokenizer, prompts: Sequence[list], max_new_tokens: int, batch: int = 64,
                    sampler=None) -> list[str]:
     """Greedy completions of chat prompts (the role prompt messages), in order."""
-    from nlac_jax import sampling
-    from nlac_jax import text
     sampler = sampler or sampling.get_sampler(cfg)
     ids = [text.encode_chat(tokenizer, p, add_generation_prompt=True) for p in prompts]
     out: list[str] = []
@@ -275,10 +272,6 @@ def evaluate_toy_warm_start(cfg, params, tokenizer, eval_examples: Sequence[Any]
     successor / backup: outcome parse rate, return accuracy vs the real return-to-go, exact match;
     policy: per-state optimal-move rate; with ``policy_tasks``, the greedy policy's success rate when it plays.
     """
-    from nlac_jax.envs.base import BatchedRunner
-    from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource
-    from nlac_jax.nlac.prompts import PromptSet
-    from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict
     tasks_by_id = {t.id: t for t in GuessNumberTaskSource(n).tasks("all")}
     judges: dict = {}
 
@@ -357,9 +350,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
-    from nlac_jax.envs.toy import GuessNumberTaskSource
-    from nlac_jax.experiments import corpus
-    from nlac_jax.runner.building import build_model
     import jax
 
     t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from nlac_jax.nlac import targets
 from nlac_jax.nlac.prompts import PromptSet
+from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.training.batching import KIND_CRITIC
 
 __all__ = ["FROZEN", "Learner", "NLAC", "MonteCarloNLAC", "freeze_params"]
@@ -143,7 +144,6 @@ class MonteCarloNLAC(NLAC):
         self._futures: collections.deque | None = None
 
     def _add_episodes(self, run: Any, episodes: Sequence, cfg, metrics: dict) -> None:
-        from nlac_jax.rl.transitions import transitions_from_episode
         if self._futures is None:
             self._futures = collections.deque(maxlen=self.capacity or run.loop.buffer_capacity)
         if self.future_summary is None:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.rl.roles import PARAMS_NAMES, Completion, ParamsName, RoleSampling, check_routes, served_params
+from nlac_jax.rl.roles import Completion, PARAMS_NAMES, ParamsName, RoleSampling, check_routes, served_params
+from nlac_jax.training.scoring import Scorer
 
 
 @dataclasses.dataclass
@@ -137,7 +138,6 @@ class ModelRoleSampler:
         if not messages_batch:
             return []
         if self.scorer is None:
-            from nlac_jax.training.scoring import Scorer
             self.scorer = Scorer(self.sampler.cfg, self.sampler.mesh, self.sampler.rules, max_batch=self.max_batch)
         prompts = [text.encode_chat(self.tokenizer, m, add_generation_prompt=True) for m in messages_batch]
         conts = [text.encode_text(self.tokenizer, c) for c in continuations]

@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 import numpy as np
+from nlac_jax import models
 
 
 class DoesNotFit(RuntimeError):
@@ -98,7 +99,6 @@ def param_classes(cfg, mesh, rules=None, dtype=None) -> list[ParamClass]:
 
     dtype: the storage dtype to count (default cfg.param_dtype; the trainer keeps float32 master weights)."""
     import jax
-    from nlac_jax import models
     shapes = models.abstract_params(cfg)
     shards = models.param_shardings(cfg, mesh, rules)
     out = []

@@ -9,7 +9,16 @@ import dataclasses
 import os
 import re
 
-from nlac_jax.planning import tpu_specs
+from nlac_jax import envs, models, sampling, training
+from nlac_jax.judges import server
+from nlac_jax.nlac import prompts as prompts_lib
+from nlac_jax.parallel import sharding
+from nlac_jax.planning import footprint, tpu_specs
+from nlac_jax.planning.footprint import fmt_bytes
+from nlac_jax.rl.roles import CHAT_ROLES, RoleSampling
+from nlac_jax.runner import building
+from nlac_jax.runner.loop import LoopConfig
+from nlac_jax.sampling import decode
 from nlac_jax.planning.footprint import DoesNotFit  # defined there: the CLI reports it in one line
 
 
@@ -109,7 +118,6 @@ def _rep(mesh):
 def abstract_batch(mesh, batch: int, length: int) -> dict:
     """The token batch of the train step as sharded ShapeDtypeStructs (docs/ARCHITECTURE.md, "Token batches")."""
     import jax
-    from nlac_jax.parallel import sharding
     shardings = sharding.batch_shardings(mesh)
     out = {}
     for k, dtype in _BATCH_DTYPE.items():
@@ -127,8 +135,6 @@ def sampler_args(cfg, mesh, params, batch: int, prompt: int):
     """Abstract (params, ids, mask, live, key, controls) for Sampler.prefill at this bucket."""
     import jax
     import jax.numpy as jnp
-    from nlac_jax.parallel import sharding
-    from nlac_jax.sampling import decode
     rows = sharding.named_sharding(("batch", "length"), (batch, prompt), mesh)
     ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rows)
     live = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=sharding.named_sharding(("batch",), (batch,), mesh))
@@ -143,7 +149,6 @@ def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: 
     """Prefill + decode of `sampler` at bucket (batch, prompt, new) with abstract `params`; each Executable keeps its
     compiled object and abstract arguments (decode's: params, the decode state prefill returns, the controls)."""
     import jax
-    from nlac_jax.parallel import sharding
     args = sampler_args(cfg, mesh, params, batch, prompt)
     shape = f"B={batch} prompt={prompt} new={new} cache={prompt + new}"
     with sharding.use_mesh(mesh):
@@ -189,7 +194,6 @@ class Plan:
         return max(self.executables, key=lambda e: e.loop_peak)
 
     def report(self) -> str:
-        from nlac_jax.planning.footprint import fmt_bytes
         c = self.cfg
         sb = self.state_bytes
         lines = [
@@ -225,7 +229,6 @@ class Plan:
 
     def check(self) -> None:
         """Raise DoesNotFit (one line) when the loop's peak exceeds a chip's HBM."""
-        from nlac_jax.planning.footprint import fmt_bytes
         p = self.peak
         if p.loop_peak > self.hbm:
             raise DoesNotFit(
@@ -237,7 +240,6 @@ class Plan:
 def state_bytes(state, compiled_step) -> dict:
     """Per-chip bytes of the train state's parts {params, opt_state, target_params, total}, in the device layouts
     of the compiled train step (its first argument), so they add up to what the chip holds."""
-    from nlac_jax.planning import footprint
     fmt = compiled_step.input_formats[0][0]
     out = {k: footprint.bytes_per_chip(getattr(state, k), getattr(fmt, k)) for k in
            ("params", "opt_state", "target_params")}
@@ -254,13 +256,6 @@ def _needs_external_model(env_factory) -> bool:
 def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     """Build and compile everything for `devices` under the parsed gin config (see the module docstring)."""
     import jax
-    from nlac_jax import envs, models, sampling, training
-    from nlac_jax.runner import building
-    from nlac_jax.nlac import prompts as prompts_lib
-    from nlac_jax.parallel import sharding
-    from nlac_jax.planning import footprint
-    from nlac_jax.rl.roles import CHAT_ROLES, RoleSampling
-    from nlac_jax.runner.loop import LoopConfig
 
     loop, rs = LoopConfig(), RoleSampling()
     cfg, _, _ = building.build_model()
@@ -383,7 +378,6 @@ class ServePlan:
         return max(self.executables, key=lambda e: e.own_peak)
 
     def report(self) -> str:
-        from nlac_jax.planning.footprint import fmt_bytes
         c, chip = self.cfg, self.slice.chip
         lines = [
             f"serve plan: {self.slice.name} ({self.slice.chips} chips, {fmt_bytes(chip.hbm_bytes)} HBM of which "
@@ -413,7 +407,6 @@ class ServePlan:
 
     def check(self) -> None:
         """Raise DoesNotFit (one line) when the server's peak exceeds a chip's usable HBM."""
-        from nlac_jax.planning.footprint import fmt_bytes
         p = self.peak
         if p.own_peak > self.hbm:
             raise DoesNotFit(
@@ -425,8 +418,6 @@ class ServePlan:
 
 def serve_config(hf_config: dict, dtype: str, source: str):
     """The ModelConfig the server builds from this config.json content at --dtype (server.config_overrides)."""
-    from nlac_jax import models
-    from nlac_jax.judges import server
     return models.ModelConfig.from_hf_dict(dict(hf_config), source=source, **server.config_overrides(dtype))
 
 
@@ -435,10 +426,6 @@ def make_serve_plan(slc: tpu_specs.Slice, devices, where: str, cfg, *, tensor: i
     """Compile the server's prefill and decode at its largest bucket (`max_batch` rows of `prompt_len` prompt and
     `new_tokens` new tokens) on `devices`, with abstract weights of `cfg` (serve_config) sharded as the server shards
     them: the server's own mesh (server.make_mesh) and Sampler (judges.server.make_sampler)."""
-    from nlac_jax import models
-    from nlac_jax.judges import server
-    from nlac_jax.parallel import sharding
-    from nlac_jax.planning import footprint
     server.check_tensor(cfg, tensor, source)
     context = cfg.max_position_embeddings
     if prompt_len + new_tokens > context:  # the server refuses such a request (HTTP 400): nothing to plan

@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 
 import gin
+from nlac_jax import models, sampling, text
+from nlac_jax.judges.client import OpenAIChatModel
+from nlac_jax.parallel import sharding
+from nlac_jax.storage import fs
+from nlac_jax.testing import tiny
 
 # build_model resolves relative model directories against the repository root (nlac_jax/runner/building.py -> ../..)
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,14 +40,11 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
 
     Random model shapes: embedding [vocab_size, hidden_size] with vocab_size = len(tokenizer) rounded up to a
     multiple of 64; num_layers layers of num_heads query / num_kv_heads key-value heads of head_dim each."""
-    from nlac_jax import models, text
-    from nlac_jax.testing import tiny
     run = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
                attn_query_block=attn_query_block)
     if hf_config is not None and not isinstance(hf_config, dict):
         raise models.ConfigError(f"build_model.hf_config = {hf_config!r}: expected a dict of config.json fields")
     if model_dir is not None:
-        from nlac_jax.storage import fs
         if not fs.is_remote(model_dir) and not os.path.isabs(model_dir) and not os.path.exists(model_dir) and \
                 os.path.isdir(os.path.join(_REPO_ROOT, model_dir)):
             model_dir = os.path.join(_REPO_ROOT, model_dir)
@@ -66,8 +68,6 @@ def build_model(model_dir: str | None = None, *, dtype: str = "float32", param_d
 def _check_hf_config(hf_config: dict, model_dir: str) -> None:
     """Every field of the gin file's hf_config must equal the model directory's config.json (ConfigError otherwise)."""
     import json
-    from nlac_jax import models
-    from nlac_jax.storage import fs
     path = fs.join(model_dir, "config.json")
     if not fs.isfile(path):
         return  # from_hf_file reports the missing file
@@ -90,8 +90,6 @@ class ExternalModel:
 
     def __init__(self, model_dir: str = gin.REQUIRED, dtype: str = "bfloat16", max_new_tokens: int = 128,
                  max_batch: int = 64, sharded: bool = True):
-        from nlac_jax import models, sampling, text
-        from nlac_jax.parallel import sharding
         mesh = sharding.make_mesh() if sharded else None
         self.model = models.load_pretrained(model_dir, dtype=dtype, mesh=mesh)
         self.sampler = sampling.Sampler(self.model.config, mesh=mesh)
@@ -101,7 +99,6 @@ class ExternalModel:
     def __call__(self, requests: list) -> list[str]:
         """requests: plain prompt strings (sent as one user message) or chat histories -> replies (one per request,
         at most max_new_tokens tokens each; generated in chunks of max_batch prompts)."""
-        from nlac_jax import text
         chats = [[{"role": "user", "content": r}] if isinstance(r, str) else r for r in requests]
         ids = [text.encode_chat(self.tok, c, add_generation_prompt=True) for c in chats]
         out = []
@@ -129,7 +126,6 @@ def external_model(kind: str = "local", endpoint_only: bool | str = False):
     if kind == "local":
         return None if endpoint_only else ExternalModel()
     if kind == "openai":
-        from nlac_jax.judges.client import OpenAIChatModel
         return OpenAIChatModel(**({"cache_dir": None} if endpoint_only == "bindings" else {}))
     raise ValueError(f"external_model.kind must be one of {EXTERNAL_KINDS}, got {kind!r}")
 
@@ -152,7 +148,6 @@ def nl_assertion_judge(external=None, enabled: str = "auto", max_tokens: int = 1
     """
     if enabled not in NL_JUDGE_MODES:
         raise ValueError(f"nl_assertion_judge.enabled must be one of {NL_JUDGE_MODES}, got {enabled!r}")
-    from nlac_jax.judges.client import OpenAIChatModel
     if enabled == "off" or (enabled == "auto" and not isinstance(external, OpenAIChatModel)):
         return None
     if isinstance(external, OpenAIChatModel):

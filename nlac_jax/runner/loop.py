@@ -21,17 +21,27 @@ import math
 import time
 from typing import Any
 
+from nlac_jax import data, envs, models, sampling, text, training
+from nlac_jax.envs.base import episode_metrics
+from nlac_jax.models import hf_io
+from nlac_jax.nlac import algorithm, evaluation, model_roles, prompts as prompts_lib, targets
+from nlac_jax.observability import plots
 from nlac_jax.observability.metrics import MetricsWriter, summary_table
-from nlac_jax.parallel import compilations
-from nlac_jax.runner import interrupts
+from nlac_jax.parallel import compilations, sharding
+from nlac_jax.parallel.distributed import Processes
+from nlac_jax.planning import footprint
+from nlac_jax.rl import ReplayBuffer, rollout
+from nlac_jax.rl.roles import RoleSampling
+from nlac_jax.runner import interrupts, run_lock
+from nlac_jax.storage import fs
+from nlac_jax.training import batching
+from nlac_jax.training.prefix_packing import pack_shared_prefix
 # config, startup and workdir hold the run's schedule, its start-up checks and its files; the loop re-exports them
 from nlac_jax.runner.config import PHASES, LoopConfig  # noqa: F401
 from nlac_jax.runner.startup import check_initial_prompts, initial_states  # noqa: F401
 from nlac_jax.runner.workdir import finished_iterations, latest_checkpoint_step, write_config_gin  # noqa: F401
-from nlac_jax.storage import fs
-# At module level, unlike the loop's other imports: gin files that `import nlac_jax.runner.loop` bind build_model.*,
-# ExternalModel.*, external_model.* and OpenAIChatModel.*, and these imports are what register them (before the
-# files are parsed).
+# gin files that `import nlac_jax.runner.loop` bind build_model.*, ExternalModel.*, external_model.* and
+# OpenAIChatModel.*: these imports are what register them (before the files are parsed).
 from nlac_jax.judges.client import OpenAIChatModel  # noqa: F401  (registers OpenAIChatModel.* with gin)
 from nlac_jax.runner.building import ExternalModel, build_model, external_model, nl_assertion_judge  # noqa: F401
 
@@ -68,13 +78,6 @@ class NLACRun:
         (ModelOnlyState): no checkpoint is read or written and no TrainState is built; for evaluation only."""
         import jax
         import numpy as np
-        from nlac_jax import envs, sampling, training
-        from nlac_jax.models import hf_io
-        from nlac_jax.nlac import algorithm, model_roles, prompts as prompts_lib, targets
-        from nlac_jax.parallel import sharding
-        from nlac_jax.parallel.distributed import Processes
-        from nlac_jax.rl import ReplayBuffer
-        from nlac_jax.rl.roles import RoleSampling
 
         self.stop: interrupts.StopRequest | None = None  # run() installs the SIGTERM flag
         self.workdir = fs.abspath(workdir)  # a gs:// URL stays one (no os.path on it)
@@ -106,7 +109,6 @@ class NLACRun:
         self.optimizer = training.make_optimizer()
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
         if jax.process_index() == 0:  # what each chip holds of θ, per parameter class (the planner's numbers)
-            from nlac_jax.planning import footprint
             log.info("%s", footprint.param_class_table(self.cfg, self.mesh))
         # stored with every checkpoint: resuming with another model or task is refused by name, not inside orbax
         fingerprint = training.run_fingerprint(self.cfg, env=self.env_name)
@@ -144,13 +146,11 @@ class NLACRun:
                 self.cursor.load_state_dict(ls["cursor"])
             log.info("resumed from %s step %d (iteration %d)", ckpt_dir, restored.step, self.start_iteration)
         elif model_only:
-            from nlac_jax import models
             self.holder.state = ModelOnlyState(hf_io.load_params(model_dir, self.cfg,
                                                                  models.param_shardings(self.cfg, self.mesh)))
         else:
             params = None
             if model_dir is not None:
-                from nlac_jax import models
                 params = hf_io.load_params(model_dir, self.cfg, models.param_shardings(self.cfg, self.mesh))
             self.holder.state = training.create_train_state(self.cfg, self.mesh, self.optimizer, params=params,
                                                             seed=self.loop.seed, donate_params=params is not None)
@@ -178,8 +178,6 @@ class NLACRun:
 
     def _fit_prompts(self) -> None:
         """The one prompt-fitting rule for acting and training, then the start-up check (before any weights load)."""
-        from nlac_jax import text
-        from nlac_jax.nlac import prompts as prompts_lib
         max_len, context = self.loop.max_len, self.cfg.max_position_embeddings
         if context and max_len > context:
             raise ValueError(f"LoopConfig.max_len={max_len} exceeds the model context (max_position_embeddings="
@@ -195,7 +193,6 @@ class NLACRun:
                  len(states), ", ".join(f"{r} {n}/{budgets[r]}" for r, n in self.initial_prompt_tokens.items()))
 
     def _task_source(self):
-        from nlac_jax import data, envs
         if self.loop.seqio_task is None:
             return envs.make_task_source()
         env = data.env_name_from_seqio(self.loop.seqio_task)
@@ -208,12 +205,10 @@ class NLACRun:
     def _pack(self, examples, rng) -> tuple[list, dict]:
         """Token batches for this iteration's train steps, and their metrics (`batching.pack_train_batches`: examples
         longer than max_len are dropped and counted, never cut; train_steps=None is one pass)."""
-        from nlac_jax.training import batching
         items = [batching.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
         pad = self.tokenizer.pad_token_id or 0
         packer = None
         if self.loop.share_prefixes:
-            from nlac_jax.training.prefix_packing import pack_shared_prefix
             rows = math.lcm(self.step_fn.data_parallel, max(1, self.step_fn.config.num_microbatches))
             packer = lambda c: pack_shared_prefix(c, self.loop.max_len, pad_id=pad, row_multiple=rows)  # noqa: E731
         batches, m = batching.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
@@ -239,9 +234,6 @@ class NLACRun:
             return self._iteration(it, bars, learner)
 
     def _iteration(self, it: int, bars, learner) -> tuple[dict, str]:
-        from nlac_jax.envs.base import episode_metrics
-        from nlac_jax.nlac import evaluation
-        from nlac_jax.rl import rollout
         np, loop, m = self._np, self.loop, {"iteration": it + 1}
         compiled_before = compilations.snapshot()
 
@@ -314,7 +306,6 @@ class NLACRun:
         return m, dump
 
     def evaluate(self, it: int, bars=lambda phase: None, params: str = "policy") -> dict:
-        from nlac_jax.nlac import evaluation
         t0 = time.perf_counter()
         self.roles.start_phase(_phase_seed(self.loop.seed, it, "eval"))
         self.fitter.reset_counters()
@@ -393,8 +384,6 @@ def run(workdir: str) -> list[dict]:
     """Run (or resume) the gin-configured NLAC loop in `workdir` (local or gs://). Returns the metrics of this
     invocation ([] when the run had already finished every iteration: it says so in one line and builds nothing).
     One run per workdir: while this one runs, another started on `workdir` refuses at start-up (run_lock)."""
-    from nlac_jax.parallel.distributed import Processes
-    from nlac_jax.runner import run_lock
     lock = run_lock.acquire(workdir, Processes.current())  # decided on process 0, broadcast
     try:
         return _run(workdir)
@@ -457,8 +446,6 @@ def _run(workdir: str) -> list[dict]:
         bar.close()
         r.checkpointer.wait()
         if r.loop.export_hf and preempted is None:
-            from nlac_jax import training
-            from nlac_jax.models import hf_io
             # every process: gathering θ's shards is collective; hf_io writes on process 0 only
             training.export_hf(fs.join(r.workdir, "hf_export"), r.cfg, r.holder.state)
             if main_proc:
@@ -480,7 +467,6 @@ def _run(workdir: str) -> list[dict]:
     if main_proc and rows:
         print("\n" + summary_table(rows, eval_every=r.loop.eval_every))
         try:
-            from nlac_jax.observability import plots
             png = plots.plot_workdir(r.workdir)
             print(f"\nlearning curves: {png}")
         except Exception as e:  # plotting must never fail a finished run

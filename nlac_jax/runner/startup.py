@@ -2,6 +2,7 @@
 fitted before any model is built, so a context too small for the system prompt and the task fails in one line."""
 
 from __future__ import annotations
+from nlac_jax import envs, text
 
 STARTUP_TASKS = 4  # tasks per split whose initial state the start-up check renders
 
@@ -18,7 +19,6 @@ def initial_states(env_factory, task_source, n_tasks: int = STARTUP_TASKS) -> li
     The envs are built with the scripted oracle / user (whatever the run uses): resetting them costs no model call,
     and the scripted τ-bench user's first message (the scenario's reason for calling) stands in for the model's.
     """
-    from nlac_jax import envs
     f = env_factory
     env = envs.EnvFactory(f.env_name, oracle="scripted", user="scripted", max_turns=f.max_turns,
                           object_list_path=f.object_list_path)()
@@ -50,7 +50,6 @@ def check_initial_prompts(states: list[tuple[str, list]], prompt_set, fitter, ta
     Returns role -> the largest initial prompt in tokens. Raises ValueError (one line: task, task id, role, tokens
     needed, budget, max_len and the gin knob) when the part that can never be elided does not fit.
     """
-    from nlac_jax import text
     saved, prompt_set.fitter = prompt_set.fitter, None  # measure unfitted: the initial state has nothing to elide
     try:
         worst: dict[str, int] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gin
 
+from nlac_jax.parallel.distributed import Processes
 from nlac_jax.storage import fs
 
 
@@ -17,7 +18,6 @@ def latest_checkpoint_step(directory: str, processes=None) -> int | None:
     or fresh, and from which step" cannot differ between processes (a slower process once saw the `checkpoints/`
     directory a faster one had just created and ran one barrier more: orbax's "sync_global_devices name mismatch")."""
     import orbax.checkpoint as ocp
-    from nlac_jax.parallel.distributed import Processes
     processes = processes or Processes.current()
     step = None
     if processes.is_main:

@@ -24,13 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import models
-from nlac_jax import text
-from nlac_jax.training import batching
+from nlac_jax import models, text
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
 from nlac_jax.parallel import sharding
-from nlac_jax.training import loss as loss_lib
+from nlac_jax.parallel.distributed import replicated_to_global
+from nlac_jax.training import batching, loss as loss_lib
 
 __all__ = ["Scorer", "SCORE_KEYS"]
 
@@ -110,7 +109,6 @@ class Scorer:
             packed = batching.pack_examples(chunk, max_len=T, pad_id=pad_id, batch_size=self.max_batch, pad_to=T)
             batch = {k: getattr(packed, k) for k in SCORE_KEYS}
             if jax.process_count() > 1:  # every process holds the whole batch: each places its own rows
-                from nlac_jax.parallel.distributed import replicated_to_global
                 batch = replicated_to_global(batch, self._batch_shardings)
             with self._ctx():
                 lp = self._jitted(params, batch, K)

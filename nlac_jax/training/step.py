@@ -24,12 +24,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nlac_jax import models
-from nlac_jax.training import batching
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import CausalLM
-from nlac_jax.parallel import sharding
-from nlac_jax.parallel import xla_options
-from nlac_jax.training import loss as loss_lib
+from nlac_jax.parallel import sharding, xla_options
+from nlac_jax.parallel.distributed import replicated_to_global
+from nlac_jax.training import batching, loss as loss_lib
 from nlac_jax.training.optim import Optimizer, make_optimizer
 from nlac_jax.training.state import TrainState, state_shardings
 
@@ -292,7 +291,6 @@ class TrainStep:
         the whole batch. (Without this, several processes passing NumPy would each be read as their own rows.)"""
         if jax.process_count() == 1:
             return batch
-        from nlac_jax.parallel.distributed import replicated_to_global
         if hasattr(batch, "as_dict"):
             batch = batch.as_dict()
         batch = _with_denominators(batch)
