@@ -22,6 +22,7 @@ import argparse
 import sys
 import warnings
 from typing import Callable, Sequence
+from nlac_jax.storage import fs
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -207,7 +208,6 @@ def add_gin_file_flags(p: argparse.ArgumentParser, file_example: str, param_exam
 
 def require_file(path: str, flag: str) -> str:
     """`path` (local or gs://) if it is an existing file, else a UsageError naming the flag and the path."""
-    from nlac_jax.storage import fs
     if not fs.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
     if not fs.isfile(path):
@@ -217,7 +217,6 @@ def require_file(path: str, flag: str) -> str:
 
 def require_dir(path: str, flag: str) -> str:
     """`path` (local or gs://) if it is an existing directory, else a UsageError naming the flag and the path."""
-    from nlac_jax.storage import fs
     if not fs.isdir(path):
         if fs.is_remote(path) or not fs.exists(path):
             raise UsageError(f"{flag} {path}: no such directory")

@@ -18,6 +18,7 @@ import gin
 
 from nlac_jax.envs.base import EnvBase, StepResult, Task, TaskSource
 from nlac_jax.envs.math_grading import DEFAULT_GRADE_TIMEOUT_S, clip_for_log, extract_answer, grade_answer
+from nlac_jax.storage import fs
 
 SYSTEM_PROMPT = ("You are a careful mathematician. Solve the problem step by step, then give the final answer in "
                  "LaTeX inside \\boxed{...}.")
@@ -36,7 +37,6 @@ def _level(v) -> Optional[int]:
 
 def load_math_jsonl(path: str, split: str = 'test', hard_only: bool = False) -> list:
     """Tasks from a MATH-style JSONL (problem, answer or solution, level, subject); ``hard_only`` keeps level 5."""
-    from nlac_jax.storage import fs  # local or gs://
     if not fs.isfile(path):
         raise FileNotFoundError(f"math JSONL not found: {path}")
     tasks = []

@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence
 import gin
 
 from nlac_jax.envs.base import EnvBase, ModelRequest, StepResult, Task, TaskSource
+from nlac_jax.storage import fs
 
 DEFAULT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_objects.json')
 WORDNET_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_wordnet.json')
@@ -264,7 +265,6 @@ def resolve_object_list(path_or_set: Optional[str]) -> str:
 def load_object_table(path: Optional[str] = None) -> ObjectTable:
     """Load an object list (JSON or text, see module doc): a path, or a set name from ``OBJECT_SETS``; ``None`` =
     the shipped 'scripted' table."""
-    from nlac_jax.storage import fs  # local or gs://
     path = resolve_object_list(path)
     if not fs.isfile(path):
         raise FileNotFoundError(f"20 Questions object list not found: {path} (a file, or a set name: "

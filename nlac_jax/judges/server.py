@@ -34,6 +34,8 @@ import uuid
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.serving import WSGIRequestHandler, make_server
 from werkzeug.wrappers import Request, Response
+from nlac_jax import sampling, text
+from nlac_jax.parallel import sharding
 
 log = logging.getLogger("nlac_jax.judges.server")
 
@@ -75,7 +77,6 @@ def make_mesh(tensor: int, fsdp: int, devices=None):
     if tensor * fsdp == 1:
         return None
     import jax
-    from nlac_jax.parallel import sharding
     devices = list(devices if devices is not None else jax.devices())
     if tensor * fsdp > len(devices):
         raise sharding.ShardingError(f"--tensor {tensor} --fsdp {fsdp} need {tensor * fsdp} devices, this host has "
@@ -93,7 +94,6 @@ def check_tensor(cfg, tensor: int, source: str) -> None:
     """--tensor must divide the query heads (as vLLM requires): the rules table would otherwise silently replicate
     every attention projection on each tensor device. Fewer KV heads than --tensor are replicated (GQA), as usual."""
     if cfg.num_heads % tensor:
-        from nlac_jax.parallel import sharding
         raise sharding.ShardingError(f"--tensor {tensor} does not divide the model's {cfg.num_heads} attention heads "
                              f"({source}): use a divisor of {cfg.num_heads}")
 
@@ -102,7 +102,6 @@ def make_sampler(cfg, mesh=None):
     """The server's Sampler (the planner, `nlac_jax.plan --serve`, compiles this one). Its largest executables are
     the prefill and decode of `max_batch` rows (Sampler.buckets): more waiting requests are refilled into those rows,
     a few at a time, by smaller refill executables."""
-    from nlac_jax import sampling
     return sampling.Sampler(cfg, mesh=mesh)
 
 
@@ -126,7 +125,6 @@ class JudgeServer:
     def __init__(self, model, name: str, max_batch: int = 32, batch_wait_s: float = 0.005,
                  default_max_tokens: int = 256, max_body_bytes: int = 16 << 20, body_timeout_s: float = 60.0,
                  mesh=None, max_waiting: int | None = None):
-        from nlac_jax import text
         if model.tokenizer is None:
             raise ValueError(f"JudgeServer {name!r}: the model has no tokenizer (its directory needs one)")
         self.model, self.name, self.tok = model, name, model.tokenizer
@@ -181,7 +179,6 @@ class JudgeServer:
                          status=404)
 
     def _chat(self, request: Request) -> Response:
-        from nlac_jax import text
         raw = self._read_body(request)
         try:
             body = json.loads(raw.decode("utf-8"))

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nlac_jax.models import decoder
-from nlac_jax.models import families, hf_io
+from nlac_jax import text
+from nlac_jax.models import decoder, families, hf_io
 from nlac_jax.models.config import ConfigError, ModelConfig
-from nlac_jax.parallel import sharding
 from nlac_jax.models.decoder import (CACHE_LOGICAL_AXES, CausalLM, abstract_params, decode_step, dummy_inputs,
                                      head_params, init_cache, layout_params, lm_head, prefill, stack_layers,
                                      unstack_layers)
 from nlac_jax.models.hf_io import CheckpointError
+from nlac_jax.parallel import sharding
+from nlac_jax.storage import fs
 
 __all__ = ["ModelConfig", "ConfigError", "CheckpointError", "CausalLM", "Model", "load_pretrained", "random_model",
            "check_tokenizer", "families", "abstract_params", "dummy_inputs", "lm_head", "head_params", "prefill",
@@ -114,13 +114,11 @@ def load_pretrained(model_dir: str, dtype: str = "float32", param_dtype: str | N
     dtype: compute dtype; param_dtype: storage dtype (default: same as dtype... float32 master weights for
     training: pass param_dtype="float32"). With `mesh`, each tensor is placed straight into its sharding.
     """
-    from nlac_jax.storage import fs
     if not fs.isdir(model_dir):  # local or gs:// (the weights are read in place, each device its tensors)
         raise FileNotFoundError(f"{model_dir}: model directory does not exist")
     cfg = ModelConfig.from_hf_file(model_dir, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     tok = None
     if load_tokenizer and fs.isfile(fs.join(model_dir, "tokenizer.json")):
-        from nlac_jax import text
         tok = text.load_tokenizer(model_dir)
         check_tokenizer(cfg, tok, model_dir)  # before the weights: a mismatch is refused in seconds
     shardings = param_shardings(cfg, mesh) if mesh is not None else None

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from nlac_jax.models import registry
+from nlac_jax.storage import fs
 
 _DTYPES = ("float32", "bfloat16", "float16")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -204,7 +205,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf_file(cls, model_dir: str, **overrides) -> "ModelConfig":
-        from nlac_jax.storage import fs
         path = fs.join(model_dir, "config.json")  # local or gs://
         if not fs.isfile(path):
             raise FileNotFoundError(f"{path}: no config.json in the model directory")

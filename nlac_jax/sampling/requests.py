@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nlac_jax import text
 from nlac_jax.sampling.stop_strings import device_stop_table
 from nlac_jax.text import bucket_floor
 
@@ -89,7 +90,6 @@ def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but no tokenizer was given (pass tokenizer=)")
-            from nlac_jax import text
             p = text.encode_text(tokenizer, p)
         p = [int(t) for t in np.asarray(p).reshape(-1)]
         if not p:

@@ -16,17 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nlac_jax import models
+from nlac_jax import models, text
 from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
-from nlac_jax.parallel import sharding
-from nlac_jax.parallel import xla_options
-from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
+from nlac_jax.parallel import sharding, xla_options
+from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl)
-from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args,
-                                        encode_prompts, prefix_to_share, shared_prefix_length, stop_table)
+from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
+                                        prefix_to_share, shared_prefix_length, stop_table)
 from nlac_jax.sampling.stop_strings import cut_text, decode_text, host_stop_string_cut
+from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
 
 log = logging.getLogger(__name__)
 Array = jax.Array
@@ -244,7 +244,6 @@ class Sampler:
             raise ValueError("stop_strings must be non-empty strings")
         if stop_token_ids is None:
             if tokenizer is not None:
-                from nlac_jax import text
                 stop_token_ids = text.stop_token_ids(tokenizer)
             else:
                 eos = cfg.eos_token_id
@@ -308,7 +307,6 @@ class Sampler:
         shs = [sharding.named_sharding(("batch",) + (None,) * (np.ndim(a) - 1), np.shape(a), self.mesh, self.rules)
                for a in arrays]
         if jax.process_count() > 1:
-            from nlac_jax.parallel.distributed import replicated_to_global
             return tuple(replicated_to_global(list(arrays), shs))
         return tuple(jax.device_put(a, sh) for a, sh in zip(arrays, shs))
 
@@ -317,7 +315,6 @@ class Sampler:
         several processes share the mesh."""
         if self.mesh is None or jax.process_count() == 1:
             return tree
-        from nlac_jax.parallel.distributed import replicated_to_global
         rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         is_key = lambda x: isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
 
@@ -356,7 +353,6 @@ class Sampler:
     def _left_pad(prompts, rows: int, width: int):
         """ids, mask [rows, width] int32 (text.left_pad); rows beyond the prompts hold one dummy token, so no row of
         the compiled batch attends to nothing."""
-        from nlac_jax import text
         return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
     def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, common=0):

@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Sequence
 from typing import Any
+from nlac_jax.storage import fs
 
 # The chat tokens that close an assistant turn in the supported families' templates (ChatML: Qwen2/3; Llama 3;
 # Gemma 3), in lookup order; tests check that every family's `turn_end_token` is here or is its eos.
@@ -22,7 +23,6 @@ def load_tokenizer(model_dir: str | os.PathLike):
     Raises FileNotFoundError naming `model_dir` if it holds no tokenizer files.
     """
     model_dir = os.fspath(model_dir)
-    from nlac_jax.storage import fs
     if fs.is_remote(model_dir):  # transformers reads local files only: copy the directory's small files once
         return load_tokenizer(fs.local_copy_of_small_files(model_dir))
     if not os.path.isdir(model_dir):
