@@ -34,14 +34,27 @@ def no_persistent_cache():
 
 
 @pytest.fixture(scope="session")
-def one_process_reference(tmp_path_factory):
+def one_process_reference(tmp_path_factory, request):
     """The workdir of one uninterrupted 1-process run (2 devices) of test_multihost's demo config: the reference
-    that every 2-process run (test_multihost, test_gcs_run) must end equal to. Run once per session."""
+    that every 2-process run (test_multihost, test_gcs_run) must end equal to. Run once per `make test`: the xdist
+    workers share it through their common base directory (the first to ask builds it under a lock, the other
+    waits for it instead of running it again); a run that failed is not recorded, so the next asker retries."""
+    import fcntl
+    import shutil
     import test_multihost as tm
-    tmp = tmp_path_factory.mktemp("one_process_reference")
-    run = str(tmp / "run")
-    tm._run({"one_process": (tm._cmd(run), tm._env(2))}, tmp)
-    return run
+    if not hasattr(request.config, "workerinput"):  # no xdist: this session's own directory
+        tmp = tmp_path_factory.mktemp("one_process_reference")
+        tm._run({"one_process": (tm._cmd(str(tmp / "run")), tm._env(2))}, tmp)
+        return str(tmp / "run")
+    shared = tmp_path_factory.getbasetemp().parent / "one_process_reference"  # pytest-N/: this run's workers only
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "done").exists():
+            shutil.rmtree(shared / "run", ignore_errors=True)  # a failed attempt's workdir would be resumed
+            tm._run({"one_process": (tm._cmd(str(shared / "run")), tm._env(2))}, shared)
+            (shared / "done").write_text("ok")
+    return str(shared / "run")
 
 
 # the files with multi-minute subprocess runs, longest first (make test's --durations): scheduled before the rest

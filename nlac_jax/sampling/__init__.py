@@ -11,8 +11,11 @@
 Files
 -----
 One concern per module; this one holds only these notes and the re-exports.
-* `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate`, `GenerateOutput` (buckets and
-  padding, continuous batching, output assembly).
+* `sampler.py`: the public host-side API: `Sampler`, `get_sampler`, `generate` (the jitted functions, run-layout
+  weights, buckets and padding, and the start of a call: one batch or continuous batching, from a shared prefix).
+* `slots.py`: the decode's host-side slot schedule: refills of free slots, collection of finished rows, the drain's
+  compaction to smaller batches (`run_slots`, `half_batch`, `compile_drain`).
+* `output.py`: `GenerateOutput`, and `finish_rows` (stop reasons, texts, host-side stop-string cuts).
 * `requests.py`: what one call asks for, checked and prepared before anything compiles: argument checks and the
   seed, prompt encoding, the context-overflow policy (`OVERFLOW_POLICIES`), the stop-string table, the shared
   prefix (`shared_prefix_length`, `prefix_to_share`).
@@ -114,7 +117,8 @@ Design
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
 from nlac_jax.sampling.requests import OVERFLOW_POLICIES, prefix_to_share, shared_prefix_length
-from nlac_jax.sampling.sampler import GenerateOutput, Sampler, generate, get_sampler
+from nlac_jax.sampling.output import GenerateOutput
+from nlac_jax.sampling.sampler import Sampler, generate, get_sampler
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
 from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_table, host_stop_string_cut,
                                             stop_string_table, token_bytes)

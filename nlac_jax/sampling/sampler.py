@@ -1,8 +1,10 @@
 """The public host-side API: `Sampler` (compiled prefill + decode for one config and mesh), `get_sampler`, `generate`.
 
-Host work only: bucketing and padding, continuous batching, and turning the device buffers into a `GenerateOutput`
-(texts cut at stops). What a call asks for is checked and prepared in `requests` (arguments, prompt encoding, the
-context-overflow policy, stop strings, the shared prefix); the compiled code is in `decode`.
+Host work only: the sampler's jitted functions and its run-layout weights, buckets and padding, and the start of a
+call (one batch, or continuous batching over fixed slots, each from a shared prefix's cache). What a call asks for
+is checked and prepared in `requests` (arguments, prompt encoding, the context-overflow policy, stop strings, the
+shared prefix); the decode's slot schedule (refills, collection, the drain's compaction) is in `slots`; turning its
+buffers into a `GenerateOutput` is in `output`; the compiled code is in `decode`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.parallel import sharding, xla_options
 from nlac_jax.parallel.distributed import replicated_to_global
-from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, compact_impl, controls, decode_impl, empty_state,
+from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
                                         prefix_to_share, shared_prefix_length, stop_table)
-from nlac_jax.sampling.stop_strings import cut_text, decode_text, host_stop_string_cut
+from nlac_jax.sampling.output import GenerateOutput, finish_rows
+from nlac_jax.sampling.slots import pad_rows, run_slots
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
 
 log = logging.getLogger(__name__)
@@ -34,38 +37,6 @@ Array = jax.Array
 
 _MIN_PROMPT_BUCKET = 16
 _MIN_NEW_BUCKET = 16
-
-
-@dataclasses.dataclass
-class GenerateOutput:
-    """Result of one `generate` call (NumPy; B = number of prompts, N = max_new_tokens).
-
-    tokens [B, N] int32 (0 after the stop), logprobs [B, N] float32 (log π of each token under the model's unmodified
-    distribution, 0 after the stop), lengths [B] (generated tokens, stop token included), stop_reason list[str]
-    ('stop_token' | 'stop_string' | 'length' | 'context_full'), texts list[str] | None (decoded, without the stop
-    token or stop string), prompt_lengths [B] (tokens actually used), prompt_tokens_dropped [B] (truncate_left).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    lengths: np.ndarray
-    stop_reason: list
-    texts: list | None = None
-    prompt_lengths: np.ndarray | None = None
-    prompt_tokens_dropped: np.ndarray | None = None
-    num_steps: int = 0  # token-selection rounds actually run (early exit when every row is done)
-    token_slots: int = 0  # row-rounds the compiled code ran (rows x rounds, filler and finished rows included)
-    shared_prefix: int = 0  # tokens of the prompts' common prefix, prefilled once for the whole call (0: none)
-    prefill_tokens: int = 0  # real prompt tokens prefilled: the shared prefix once, each prompt's rest once
-
-    @property
-    def useful_token_fraction(self) -> float:
-        """Kept tokens / token slots: 1.0 when no row ever idled (the continuous-batching target)."""
-        return float(np.sum(self.lengths)) / max(self.token_slots, 1)
-
-    def token_lists(self) -> list[list[int]]:
-        """Generated ids per row, without the masked tail."""
-        return [self.tokens[b, : self.lengths[b]].tolist() for b in range(len(self.lengths))]
 
 
 class Sampler:
@@ -108,7 +79,7 @@ class Sampler:
         # many times (0: never), so a call's drain does not decode finished rows. Each level is one more decode
         # executable per bucket (all compiled the first time the bucket is seen): few levels keep most of the gain.
         self.compact_levels = max(0, int(compact_levels))
-        self._drain_compiled: set = set()
+        self.drain_compiled: set = set()
         self._param_shardings = None
         # the layer loop is a model option: the compiled functions run the model with this config
         run_cfg = cfg.replace(scan_layers=layer_loop == "scan")
@@ -270,35 +241,14 @@ class Sampler:
             else:
                 tokens, logprobs, lengths, reason, steps, token_slots, L = self._one_batch(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, common)
-        tokens = np.array(tokens[:B, :max_new_tokens])
-        logprobs = np.array(logprobs[:B, :max_new_tokens])
-        lengths = np.array(lengths[:B])
-        reasons = [STOP_REASONS[int(r)] for r in reason[:B]]
-        texts = None
-        if tokenizer is not None:
-            texts = []
-            for b in range(B):
-                n = int(lengths[b])
-                if host_check and reasons[b] != "stop_token":
-                    cut = host_stop_string_cut(tokenizer, tokens[b, :n].tolist(), stop_strings)
-                    if cut is not None:
-                        n, txt = cut
-                        tokens[b, n:] = 0
-                        logprobs[b, n:] = 0.0
-                        lengths[b] = n
-                        reasons[b] = "stop_string"
-                        texts.append(txt)
-                        continue
-                body = tokens[b, : n - 1] if reasons[b] == "stop_token" else tokens[b, :n]
-                txt = decode_text(tokenizer, body.tolist())
-                texts.append(cut_text(txt, stop_strings) if reasons[b] == "stop_string" else txt)
-        return GenerateOutput(tokens=tokens, logprobs=logprobs, lengths=lengths, stop_reason=reasons, texts=texts,
-                              prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
-                              prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt),
-                              num_steps=int(steps), token_slots=int(token_slots), shared_prefix=L,
-                              prefill_tokens=L + sum(len(p) - L for p in prompts))
+        out = finish_rows(tokens[:B, :max_new_tokens], logprobs[:B, :max_new_tokens], lengths[:B], reason[:B],
+                          tokenizer, stop_strings, host_check)
+        return dataclasses.replace(
+            out, prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
+            prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt), num_steps=int(steps),
+            token_slots=int(token_slots), shared_prefix=L, prefill_tokens=L + sum(len(p) - L for p in prompts))
 
-    def _device_rows(self, *arrays):
+    def device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
         With several processes every one holds the same host arrays (the caller's contract) and places the slices
         its devices own: the results are global arrays."""
@@ -310,7 +260,7 @@ class Sampler:
             return tuple(replicated_to_global(list(arrays), shs))
         return tuple(jax.device_put(a, sh) for a, sh in zip(arrays, shs))
 
-    def _replicated(self, tree):
+    def replicated(self, tree):
         """Small host values (key, controls, refill indices) as arrays every device sees in full; global arrays when
         several processes share the mesh."""
         if self.mesh is None or jax.process_count() == 1:
@@ -346,14 +296,8 @@ class Sampler:
         if not prefix:
             return None
         D = self.data_parallel
-        ids, mask = self._device_rows(*self._left_pad([prefix] * D, D, len(prefix)))
+        ids, mask = self.device_rows(*pad_rows([prefix] * D, D, len(prefix)))
         return self.prefix(params, ids, mask, cache_len=cache_len)
-
-    @staticmethod
-    def _left_pad(prompts, rows: int, width: int):
-        """ids, mask [rows, width] int32 (text.left_pad); rows beyond the prompts hold one dummy token, so no row of
-        the compiled batch attends to nothing."""
-        return text.left_pad(list(prompts) + [[0]] * (rows - len(prompts)), pad_id=0, length=width)
 
     def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, common=0):
         """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
@@ -373,13 +317,13 @@ class Sampler:
             src[:P] = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
         else:
             prompts, Ub = [p for p in prompts for _ in range(n)], Bb
-        ids, mask = self._left_pad(prompts, Ub, Tb)
-        ids, mask = self._device_rows(ids, mask)
-        (live,) = self._device_rows(np.arange(Bb) < P)
-        key, ctl, src = self._replicated((key, ctl, src))
+        ids, mask = pad_rows(prompts, Ub, Tb)
+        ids, mask = self.device_rows(ids, mask)
+        (live,) = self.device_rows(np.arange(Bb) < P)
+        key, ctl, src = self.replicated((key, ctl, src))
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix_cache, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
-        return self._slot_loop(params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
+        return run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
                                rows=P) + (shared,)
 
     def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, common=0):
@@ -399,88 +343,10 @@ class Sampler:
         Ru = -(-bucket_length(-(-want // n), 1) // dp) * dp
         while Ru * n > B and Ru > dp:
             Ru -= dp
-        key, ctl = self._replicated((key, ctl))
+        key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
-        return self._slot_loop(params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
+        return run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
                                rows=len(prompts) * n, prompt_bucket=Tb, prefix=prefix_cache) + (shared,)
-
-    def _half_batch(self, batch: int, top: int) -> int | None:
-        """batch // 2 if the drain of a call that started with `top` rows may compact to it (at most
-        `compact_levels` halvings of `top`, at least one row, a multiple of the data-parallel degree), else None."""
-        half = batch // 2
-        ok = self.compact_levels and half >= max(1, top >> self.compact_levels) and half % self.data_parallel == 0
-        return half if ok else None
-
-    def _slot_loop(self, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
-                   prompt_bucket=0, prefix=None):
-        """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
-        Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
-        each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
-        arrays in row order, decode rounds and token slots."""
-        P, B, Ru = rows, len(holds), refill_rows
-        top = B
-        R = Ru * n  # slot entries per refill
-        self._compile_drain(params, st, ctl)
-        out_tok = np.zeros((P, Nb), np.int32)
-        out_lp = np.zeros((P, Nb), np.float32)
-        out_len = np.zeros((P,), np.int32)
-        out_reason = np.zeros((P,), np.int32)
-        collected = 0
-        steps = int(_fetch(st.step))
-        while True:
-            free = [b for b in range(B) if holds[b] < 0]
-            if nxt < P and len(free) >= min(R, P - nxt):  # refill: whole prompts (fixed shape) into free slots
-                take = prompts[nxt // n:nxt // n + min(Ru, (P - nxt) // n, len(free) // n)]
-                ids, mask = self._left_pad(take, Ru, prompt_bucket)
-                idx = np.full((R,), B, np.int32)  # slot B = unused entry (dropped on device)
-                row_ids = np.full((R,), -1, np.int32)
-                src = np.repeat(np.arange(Ru, dtype=np.int32), n)  # entry e continues prompt e // n of this refill
-                for e in range(len(take) * n):
-                    idx[e], row_ids[e] = free[e], nxt + e
-                    holds[free[e]] = nxt + e
-                ids, mask = self._device_rows(ids, mask)
-                idx, row_ids, src = self._replicated((idx, row_ids, src if n > 1 else None))
-                st = self.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, prefix)
-                nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
-                continue  # fill every free slot before decoding
-            if nxt < P:  # return when a refill's worth has finished
-                ret = len(free) + min(R, P - nxt)
-            else:  # drain: return when the running rows fit a smaller batch
-                half = self._half_batch(B, top)
-                ret = B - half if half else B + 1
-            st = self.decode(params, st, dict(ctl, return_when_done=self._replicated(jnp.int32(ret))))
-            done, row_id, now = _fetch(st.done), _fetch(st.row_id), int(_fetch(st.step))
-            slots_used, steps = slots_used + B * (now - steps), now
-            fin = [b for b in range(B) if done[b] and holds[b] >= 0]
-            if fin:
-                tok, lp, ln, rs = (_fetch(x) for x in (st.tokens, st.logprobs, st.lengths, st.reason))
-                for b in fin:
-                    p = holds[b]
-                    assert int(row_id[b]) == p, (b, p, int(row_id[b]))
-                    out_tok[p], out_lp[p], out_len[p], out_reason[p] = tok[b], lp[b], ln[b], rs[b]
-                    holds[b] = -1
-                    collected += 1
-            if collected == P:
-                return out_tok, out_lp, out_len, out_reason, steps, slots_used
-            # drain: halve the batch while the running rows fit (one level at a time: one compact executable per
-            # level, all compiled by _compile_drain when the bucket was first seen)
-            while nxt == P and (half := self._half_batch(B, top)) and sum(h >= 0 for h in holds) <= half:
-                keep = ([b for b in range(B) if holds[b] >= 0] + [b for b in range(B) if holds[b] < 0])[:half]
-                st = self.compact(st, self._replicated(jnp.asarray(np.asarray(keep, np.int32))))
-                holds, B = [holds[b] for b in keep], half
-
-    def _compile_drain(self, params, st, ctl) -> None:
-        """Compile the compact and decode executables of every batch of this state's drain chain, the first time its
-        bucket is seen: which levels a call reaches depends on its data, and a later call must not compile."""
-        sig = (st.done.shape[0], st.tokens.shape[1], st.cache["mask"].shape[1], np.ndim(st.cache["index"]))
-        if not self.compact_levels or sig in self._drain_compiled:
-            return
-        self._drain_compiled.add(sig)
-        ctl0 = dict(ctl, return_when_done=self._replicated(jnp.int32(0)))  # the decode loop returns at once
-        B = top = sig[0]
-        while half := self._half_batch(B, top):
-            st = self.decode(params, self.compact(st, self._replicated(jnp.arange(half, dtype=jnp.int32))), ctl0)
-            B = half
 
     __call__ = generate
 
@@ -490,14 +356,6 @@ class Sampler:
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}
-
-
-def _fetch(x) -> np.ndarray:
-    """A device result on this host: gathered from every process when its shards live on several."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
 
 
 _SAMPLERS: dict = {}
