@@ -18,7 +18,9 @@ Reported:
 * targets phase: prompt tokens presented to the sampler (one prefill per sampled row), the tokens the sampler
   prefills (`Sampler.shared_prefix_length`: each call's common prefix once, each prompt's rest once; a prompt
   sampled n times once), and the tokens a perfect prefix cache over the whole phase would compute (the size of the
-  token trie of all its prompts): the ceiling of a prefix cache kept across calls (not built);
+  token trie of all its prompts): the ceiling of a prefix cache kept across calls (not built), and the same
+  ceiling within each call (the sum of each call's own trie: a prefix tree per call, no cache kept across calls;
+  not built either);
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
@@ -120,7 +122,10 @@ def targets_phase(transitions, tokenizer, k: int):
             r[0] += call.n
             r[1] += call.n * len(ids)
     examples = [x for x in critic + policy if x.dropped is None]
-    return dict(rows=len(rows), presented=sum(map(len, rows)), trie=trie_tokens(rows), per_role=per_role,
+    per_call = sum(trie_tokens([text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in c.messages_batch])
+                   for c in sampler.calls)  # a sampled prompt's n rows are one trie path
+    return dict(rows=len(rows), presented=sum(map(len, rows)), trie=trie_tokens(rows), trie_per_call=per_call,
+                per_role=per_role,
                 sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
                 seconds=seconds), examples
 
@@ -231,6 +236,8 @@ def main(argv=None) -> int:
         print(f"  {role:10s} {n:4d} rows {t:10,d} tokens")
     print(f"  the sampler prefills {phase['sampler']:,} ({phase['sampler'] / phase['presented']:.1%} of presented; "
           f"{phase['calls']} generate calls, each call's common prefix once)")
+    print(f"  a prefix tree within each call would compute {phase['trie_per_call']:,} "
+          f"({phase['trie_per_call'] / phase['presented']:.1%} of presented; no cache kept across calls)")
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
           f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
