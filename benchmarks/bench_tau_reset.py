@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
     keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f" {f}" in flags]
     print(f"{os.cpu_count()} cores, flags {' '.join(keep)}; seconds per call, mean of {a.repeats}")
-    print(f"| domain | full copy (validate JSON) | copy-on-read view | speed-up | DB hash (episode end) |")
+    print("| domain | full copy (validate JSON) | copy-on-read view | speed-up | DB hash (episode end) |")
     print("|---|---|---|---|---|")
     for domain in ta.DOMAINS:
         _, db_cls, _ = ta.domain_module(domain)
