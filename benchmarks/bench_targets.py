@@ -49,17 +49,24 @@ def trie_tokens(seqs) -> int:
     return out
 
 
-def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64) -> int:
+def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_rows: int = 0) -> int:
     """Prompt tokens `sampling.Sampler` prefills for these role calls (one `generate` call each, as
-    `nlac.model_roles` makes them): per call, the prompts' shared prefix once (`prefix_to_share` of their common
-    prefix, as a fresh sampler picks it) and each distinct prompt's rest once (n samples of a prompt: once)."""
+    `nlac.model_roles` makes them), as `Sampler._starts` plans them for a fresh sampler: per call, the prompts'
+    shared prefix once (`prefix_to_share` of their common prefix), with trunk_rows > 0 the trunks of
+    `plan_trunks` (at most trunk_rows groups, min_trunk = min_shared_prefix, the rests' width from the call's
+    prompt bucket) once, and each distinct prompt's remaining rest once (n samples of a prompt: once)."""
     from nlac_jax import text
-    from nlac_jax.sampling import prefix_to_share, shared_prefix_length
+    from nlac_jax.sampling import plan_trunks, prefix_to_share, shared_prefix_length
     out = 0
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
         L = prefix_to_share(shared_prefix_length(prompts, min_shared_prefix), (), min_shared_prefix)
-        out += L + sum(len(p) - L for p in prompts)
+        rests = [p[L:] for p in prompts]
+        plan = None
+        if trunk_rows:
+            width = text.bucket_length(max(map(len, prompts)), 16, fine=True) - L
+            plan = plan_trunks(rests, width, max(1, min_shared_prefix), max_trunks=trunk_rows)
+        out += L + (plan.tokens(rests) if plan is not None else sum(map(len, rests)))
     return out
 
 
@@ -127,6 +134,7 @@ def targets_phase(transitions, tokenizer, k: int):
     return dict(rows=len(rows), presented=sum(map(len, rows)), trie=trie_tokens(rows), trie_per_call=per_call,
                 per_role=per_role,
                 sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
+                sampler_trunks={r: sampler_prefill_tokens(sampler.calls, tokenizer, trunk_rows=r) for r in (4, 8, 16)},
                 seconds=seconds), examples
 
 
@@ -236,6 +244,9 @@ def main(argv=None) -> int:
         print(f"  {role:10s} {n:4d} rows {t:10,d} tokens")
     print(f"  the sampler prefills {phase['sampler']:,} ({phase['sampler'] / phase['presented']:.1%} of presented; "
           f"{phase['calls']} generate calls, each call's common prefix once)")
+    for r, n in phase["sampler_trunks"].items():
+        print(f"  with trunks (Sampler(trunk_rows={r}), LoopConfig.sampler_trunk_rows) it prefills {n:,} "
+              f"({n / phase['presented']:.1%})")
     print(f"  a prefix tree within each call would compute {phase['trie_per_call']:,} "
           f"({phase['trie_per_call'] / phase['presented']:.1%} of presented; no cache kept across calls)")
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "

@@ -22,16 +22,23 @@ from nlac_jax.training.scoring import Scorer
 
 @dataclasses.dataclass
 class RoleCounters:
-    """Per-role generation counters (texts, generated tokens, token slots the sampler ran, seconds, stop reasons),
-    reset per phase. useful_token_fraction = tokens / slots: the share of decode slots that produced a kept token."""
+    """Per-role generation counters (texts, generated tokens, token slots the sampler ran, seconds, stop reasons,
+    prompt tokens presented and prefilled), reset per phase. useful_token_fraction = tokens / slots: the share of
+    decode slots that produced a kept token. prefill_share = prompt tokens prefilled / presented (one presentation
+    per sampled row): what shared prefixes and trunks saved (`sampling.Sampler`)."""
 
     texts: dict = dataclasses.field(default_factory=dict)
     tokens: dict = dataclasses.field(default_factory=dict)
     slots: dict = dataclasses.field(default_factory=dict)
     seconds: dict = dataclasses.field(default_factory=dict)
     stop_reasons: dict = dataclasses.field(default_factory=dict)
+    presented: dict = dataclasses.field(default_factory=dict)
+    prefilled: dict = dataclasses.field(default_factory=dict)
 
-    def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons, n_slots: int = 0) -> None:
+    def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons, n_slots: int = 0,
+            presented: int = 0, prefilled: int = 0) -> None:
+        self.presented[role] = self.presented.get(role, 0) + presented
+        self.prefilled[role] = self.prefilled.get(role, 0) + prefilled
         self.texts[role] = self.texts.get(role, 0) + n_texts
         self.tokens[role] = self.tokens.get(role, 0) + n_tokens
         self.slots[role] = self.slots.get(role, 0) + n_slots
@@ -47,8 +54,14 @@ class RoleCounters:
             out[f"{prefix}{role}/texts"] = self.texts[role]
             out[f"{prefix}{role}/tokens_per_s"] = n / max(self.seconds[role], 1e-9)
             out[f"{prefix}{role}/useful_token_fraction"] = n / max(self.slots[role], 1)
+        for role, n in self.presented.items():
+            if n:
+                out[f"{prefix}{role}/prompt_tokens"] = n
+                out[f"{prefix}{role}/prefill_share"] = self.prefilled[role] / n
         if self.tokens:
             out[f"{prefix}useful_token_fraction"] = sum(self.tokens.values()) / max(sum(self.slots.values()), 1)
+        if sum(self.presented.values()):
+            out[f"{prefix}prefill_share"] = sum(self.prefilled.values()) / sum(self.presented.values())
         for k, n in self.stop_reasons.items():
             out[f"{prefix}{k}"] = n
         return out
@@ -123,7 +136,8 @@ class ModelRoleSampler:
                                     stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer,
                                     slots=self.max_batch, n=n)  # each prompt prefilled once for its n samples
         self.counters.add(role, len(prompts) * n, int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
-                          n_slots=res.token_slots)
+                          n_slots=res.token_slots, presented=n * sum(map(len, prompts)),
+                          prefilled=int(res.prefill_tokens))
         return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]
 
     def score(self, messages_batch: list[list[dict]], continuations: Sequence[str], params: ParamsName,

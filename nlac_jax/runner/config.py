@@ -44,7 +44,10 @@ class LoopConfig:
       the bucket's first call): it pays off when a decode step's cost grows with its rows (a real model, long
       caches), not on a toy model, where it only adds compile time. sampler_shared_prefix: a call's prompts that
       share a common prefix of at least this many tokens prefill it once (`sampling.Sampler(min_shared_prefix=)`;
-      0: off).
+      0: off). sampler_trunk_rows: > 0 also prefills, once per call, up to this many trunks (rounded up to a multiple
+      of the data-parallel degree): groups of a call's prompts that share at least sampler_shared_prefix more
+      tokens, in an RL targets phase one episode's states (`sampling.Sampler(trunk_rows=)`, `plan_trunks`); for
+      long multi-turn prompts (τ-bench: benchmarks/bench_targets.py); 0: off.
     Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
@@ -74,6 +77,7 @@ class LoopConfig:
     sampler_min_batch: int = 16
     sampler_compact_levels: int = 2
     sampler_shared_prefix: int = 64
+    sampler_trunk_rows: int = 0
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
@@ -85,7 +89,8 @@ class LoopConfig:
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
-                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix")
+                      "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix",
+                      "sampler_trunk_rows")
         for name in at_least_1:
             _check_int(self, name, 1)
         for name in at_least_0:

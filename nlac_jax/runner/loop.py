@@ -157,7 +157,9 @@ class NLACRun:
 
         self.sampler = sampling.Sampler(self.cfg, mesh=self.mesh, min_batch_bucket=self.loop.sampler_min_batch,
                                         compact_levels=self.loop.sampler_compact_levels,
-                                        min_shared_prefix=self.loop.sampler_shared_prefix)
+                                        min_shared_prefix=self.loop.sampler_shared_prefix,
+                                        trunk_rows=self.loop.sampler_trunk_rows,
+                                        min_trunk=max(1, self.loop.sampler_shared_prefix))
         holder = self.holder
         self.roles = model_roles.ModelRoleSampler(
             self.sampler, self.tokenizer,

@@ -105,19 +105,38 @@ def prefix_impl(cfg: ModelConfig, params, ids, mask, *, cache_len: int) -> dict:
     return cache
 
 
-def _prefix_rows(prefix: dict, rows: int) -> dict:
-    """`rows` copies of the prefix cache (all D of its rows are equal): row u takes prefix row u * D // rows, the
-    one on its own data-parallel shard when rows is a multiple of D."""
-    D = prefix["mask"].shape[0]
-    return take_cache_rows(prefix, (jnp.arange(rows, dtype=jnp.int32) * D) // rows)
+def prefix_rows(prefix: dict) -> dict:
+    """Each prompt's starting cache, from a call's prefix: {"cache": a prefix cache (`prefix_impl` or `trunk_impl`;
+    its index is every row's), "src" [U] int32 (the cache row prompt u starts from), "keep" [U] int32 (how many of
+    that row's real tokens it keeps: the row's later tokens are masked out, so a prompt can keep any prefix of a
+    trunk it shares only in part; causal attention makes a prefix's keys and values independent of what follows
+    it)}."""
+    rows = take_cache_rows(prefix["cache"], prefix["src"])
+    m = rows["mask"]
+    rows["mask"] = m * (jnp.cumsum(m, axis=-1) <= prefix["keep"][:, None]).astype(m.dtype)
+    return decoder.constrain_cache(rows)
+
+
+def trunk_impl(cfg: ModelConfig, params, ids, mask, prefix: dict | None, *, cache_len: int) -> dict:
+    """Trunk rows ids/mask [G, W] (left-padded; `sampling.requests.plan_trunks`) run after the call's common prefix
+    (`prefix`, as `prefix_rows` takes it; None: from an empty cache of `cache_len` slots): a cache whose rows each
+    hold the common prefix, then one trunk, for `prefill_impl` / `refill_impl` to start each prompt from."""
+    TRACE_COUNTS["trunk"] += 1
+    params = decoder.layout_params(cfg, params)
+    if prefix is None:
+        _, cache = decoder.prefill(cfg, params, ids, mask, cache_len)
+    else:
+        _, cache = decoder.extend(cfg, params, ids, mask, prefix_rows(prefix))
+    return cache
 
 
 def _prompt_cache(cfg: ModelConfig, params, ids, mask, cache_len: int, prefix: dict | None):
     """(last-column logits [U, V], cache) of prompts ids/mask [U, T]: prefilled into a fresh cache of `cache_len`
-    slots, or, with a shared `prefix` cache (`prefix_impl`, whose length is then the cache's), run after it."""
+    slots, or, with a `prefix` (`prefix_rows`: a cache of `cache_len` slots, a row and a kept length per prompt),
+    run after it."""
     if prefix is None:
         return decoder.prefill(cfg, params, ids, mask, cache_len)
-    return decoder.extend(cfg, params, ids, mask, _prefix_rows(prefix, ids.shape[0]))
+    return decoder.extend(cfg, params, ids, mask, prefix_rows(prefix))
 
 
 def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, src=None, prefix=None, *,
@@ -125,8 +144,9 @@ def prefill_impl(cfg: ModelConfig, params, ids, mask, row_live, key, ctl, src=No
     """Prompts ids/mask [U, T] (left-padded) -> the decode state after the first token; cache of T + new_bucket
     slots in cfg's layer layout (params are re-laid out to it here, inside the jit). src [B] (optional): row b
     continues prompt src[b], so a prompt sampled several times is prefilled once (B rows from U prompts);
-    without it B = U. row_live [B]. prefix (optional): the call's shared prompt prefix (`prefix_impl`, P slots of
-    a P + T + new_bucket cache); ids are then each prompt's rest after it."""
+    without it B = U. row_live [B]. prefix (optional): where each prompt starts (`prefix_rows`: the call's shared
+    prompt prefix, `prefix_impl`, or its trunks, `trunk_impl`, in the first slots of a P + T + new_bucket cache);
+    ids are then each prompt's rest after it."""
     TRACE_COUNTS["prefill"] += 1
     T = ids.shape[1]
     logits, cache = _prompt_cache(cfg, decoder.layout_params(cfg, params), ids, mask, T + new_bucket, prefix)
@@ -189,8 +209,8 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     """Prefill prompts ids/mask [U, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
     decode state, holding rows row_ids [R], and pick their first tokens. Other rows are untouched. src [R]
     (optional): slot entry r continues prompt src[r] (a prompt sampled several times is prefilled once); without
-    it U = R. prefix (optional): the call's shared prompt prefix cache (`prefix_impl`, as long as the state's);
-    ids are then each prompt's rest after it."""
+    it U = R. prefix (optional): where each prompt starts (`prefix_rows`; its cache as long as the state's); ids
+    are then each prompt's rest after it."""
     TRACE_COUNTS["refill"] += 1
     B = st.done.shape[0]
     S = st.cache["mask"].shape[1]

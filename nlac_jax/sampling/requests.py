@@ -4,6 +4,7 @@ shared prefix (how much of it one call prefills once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Sequence
@@ -140,3 +141,122 @@ def stop_table(tokenizer, vocab_size: int, stop_strings):
     if tokenizer is None:
         raise ValueError(f"stop_strings={list(stop_strings)!r} need a tokenizer (pass tokenizer=)")
     return device_stop_table(tokenizer, vocab_size, stop_strings)
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int arrays."""
+    n = min(len(a), len(b))
+    d = np.flatnonzero(a[:n] != b[:n])
+    return int(d[0]) if d.size else n
+
+
+def _tokens(rests, keep, groups, w: int) -> int:
+    """Tokens a plan with trunk width `w` prefills (`TrunkPlan.tokens` before the plan is built)."""
+    k = np.minimum(keep, w)
+    return sum(int(max(k[i] for i in g)) for g in groups) + sum(len(r) - int(x) for r, x in zip(rests, k))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrunkPlan:
+    """How one call's prompt rests (after the call's common prefix) share longer prefixes in groups: each group's
+    trunk is prefilled once (one row, after the common prefix), and each prompt keeps `keep[i]` tokens of its
+    group's trunk and prefills only the rest. trunks: per group, the trunk tokens (at most `width`); group [U]
+    int32 (the trunk row of each prompt; 0 for a prompt in no group, whose keep is 0); keep [U] int32; width: the
+    trunk rows' slot width (each prompt's rest then fits the call's rest width minus it)."""
+
+    trunks: tuple
+    group: np.ndarray
+    keep: np.ndarray
+    width: int
+
+    def rests(self, rests: Sequence[list]) -> list[list]:
+        """Each prompt's tokens after what it keeps of its trunk."""
+        return [list(r[int(k):]) for r, k in zip(rests, self.keep)]
+
+    def tokens(self, rests: Sequence[list]) -> int:
+        """Tokens this plan prefills: every trunk once, every prompt's remaining rest once."""
+        return sum(map(len, self.trunks)) + sum(len(r) - int(k) for r, k in zip(rests, self.keep))
+
+
+def plan_trunks(rests: Sequence[list], width: int, minimum: int, used: Sequence[int] = (),
+                min_gain: float = 0.2, max_trunks: int | None = None) -> TrunkPlan | None:
+    """A prefix tree of depth two for one call: groups of prompts whose rests (token lists after the call's common
+    prefix) share at least `minimum` more tokens, each group prefilled once up to a trunk (its longest member),
+    each member keeping its longest common prefix with that trunk (at least one token of its own left). `width`:
+    the slots every rest had without trunks (prompt bucket - common prefix); the trunks take `w` of them (the
+    largest width in `used`, those this sampler compiled before, that fits and gains enough, else the largest
+    feasible width rounded down to two values per power of two: the rest of every prompt must fit width - w) and
+    each remaining rest the other width - w. So the
+    prefill's shapes stay the call's buckets. max_trunks: at most this many groups (those that save the most
+    tokens; the others' prompts take no trunk), so the trunk executable's row count is fixed. None when no group
+    forms (`minimum` <= 0, fewer than two prompts) or when the plan saves less than `min_gain` of the rests' tokens
+    (not worth its own executable call).
+
+    In an RL targets phase the prompts of one call are states of a few episodes: s_t's prompt is the system
+    message, the transcript to turn t, then the role's own text, so one episode's prompts share its transcript up
+    to the earlier state, and the episode's longest prompt holds every shorter state's transcript as a prefix."""
+    U = len(rests)
+    if minimum <= 0 or U < 2:
+        return None
+    arrs = [np.asarray(r, np.int64) for r in rests]
+    order = sorted(range(U), key=lambda i: rests[i])
+    adj = [_lcp(arrs[a], arrs[b]) for a, b in zip(order, order[1:])]
+    # groups are the runs of the sorted rests whose neighbours share >= theta tokens; theta decides how far a
+    # group reaches (all of a call's episodes may share a greeting beyond the common prefix, each episode its
+    # transcript): every distinct sharing length is tried (16 at most) and the plan that prefills least wins
+    cands = sorted({x for x in adj if x >= minimum})
+    if len(cands) > 16:
+        cands = [cands[round(i * (len(cands) - 1) / 15)] for i in range(16)]
+    best = None
+    for theta in cands:
+        groups, cur = [], [order[0]]
+        for j, b in enumerate(order[1:]):
+            if adj[j] >= theta:
+                cur.append(b)
+            else:
+                groups.append(cur)
+                cur = [b]
+        groups.append(cur)
+        plan = _plan_groups(rests, arrs, [g for g in groups if len(g) >= 2], width, minimum, used, min_gain,
+                            max_trunks)
+        if plan is not None and (best is None or plan.tokens(rests) < best.tokens(rests)):
+            best = plan
+    return best
+
+
+def _plan_groups(rests, arrs, groups, width, minimum, used, min_gain, max_trunks) -> TrunkPlan | None:
+    """`plan_trunks` for given groups (lists of prompt indices, two or more each)."""
+    U = len(rests)
+    if max_trunks is not None and len(groups) > max_trunks:  # keep the groups that save the most tokens
+        def saved(g):
+            t = max(g, key=lambda i: len(rests[i]))
+            return sum(min(_lcp(arrs[i], arrs[t]), len(rests[i]) - 1) for i in g) - len(rests[t])
+        groups = sorted(sorted(groups, key=saved, reverse=True)[:max(0, max_trunks)], key=lambda g: g[0])
+    if not groups:
+        return None
+    keep = np.zeros(U, np.int64)
+    group = np.zeros(U, np.int32)
+    trunks = []
+    for gi, members in enumerate(groups):
+        t = max(members, key=lambda i: len(rests[i]))
+        for i in members:
+            group[i] = gi
+            keep[i] = min(_lcp(arrs[i], arrs[t]), len(rests[i]) - 1)
+        trunks.append(rests[t])
+    need = max(int(keep.max()), 0)
+    fit = width - max(len(r) - int(k) for r, k in zip(rests, keep))  # the trunks' width if no keep were cut
+    w = min(need, fit)
+    if w < minimum:
+        return None
+    # a width compiled before wins whenever it fits and still gains enough, else w rounded down to the prompt
+    # buckets' grid (two values per power of two): few shapes, since the trunk executable and the prefill after it
+    # are compiled per width
+    sticky = [u for u in used if minimum <= u <= w]
+    w = max(sticky) if sticky and _tokens(rests, keep, groups, max(sticky)) <= (1 - min_gain) * sum(map(len, rests)) \
+        else bucket_floor(w, minimum, 2)
+    keep = np.minimum(keep, w)
+    trunks = tuple(tuple(t[:int(max(keep[group == gi]))]) for gi, t in enumerate(trunks))
+    plan = TrunkPlan(trunks=trunks, group=group, keep=keep.astype(np.int32), width=int(w))
+    if plan.tokens(rests) > (1 - min_gain) * sum(map(len, rests)):
+        return None
+    return plan

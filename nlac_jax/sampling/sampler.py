@@ -24,9 +24,9 @@ from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inf
 from nlac_jax.parallel import sharding, xla_options
 from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state,
-                                      prefill_impl, prefix_impl, refill_impl)
+                                      prefill_impl, prefix_impl, refill_impl, trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
-                                        prefix_to_share, shared_prefix_length, stop_table)
+                                        plan_trunks, prefix_to_share, shared_prefix_length, stop_table)
 from nlac_jax.sampling.output import GenerateOutput, finish_rows
 from nlac_jax.sampling.slots import pad_rows, run_slots
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
@@ -51,7 +51,8 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
                  min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
-                 compact_levels: int = 0, weights: str = "compute", min_shared_prefix: int = _MIN_SHARED_PREFIX):
+                 compact_levels: int = 0, weights: str = "compute", min_shared_prefix: int = _MIN_SHARED_PREFIX,
+                 trunk_rows: int = 0, min_trunk: int = _MIN_SHARED_PREFIX):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
@@ -69,6 +70,14 @@ class Sampler:
         # the prefix and each prompt's rest would skew.
         self.min_shared_prefix = max(0, int(min_shared_prefix))
         self._prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
+        # trunk_rows: > 0 shares more than the common prefix: prompts whose rests share at least `min_trunk` more
+        # tokens form groups (at most trunk_rows, those that save the most), each prefilled once up to its longest
+        # member (a trunk), and each prompt keeps its common prefix with that trunk (`requests.plan_trunks`: in an RL
+        # targets phase, one episode's states). 0: off. A fixed row count (a multiple of the data-parallel degree),
+        # so the trunk executable's shape depends on the data only through its sticky width. One more executable
+        # call per sampler call, made only when a plan saves at least a fifth of the rests' tokens.
+        self.trunk_rows, self.min_trunk = max(0, int(trunk_rows)), max(1, int(min_trunk))
+        self._trunk_widths: dict = {}  # (prompt bucket, new-token bucket) -> trunk widths compiled there
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -92,6 +101,9 @@ class Sampler:
         def sampler_prefix(params, ids, mask, *, cache_len):
             return prefix_impl(run_cfg, params, ids, mask, cache_len=cache_len)
 
+        def sampler_trunk(params, ids, mask, prefix, *, cache_len):
+            return trunk_impl(run_cfg, params, ids, mask, prefix, cache_len=cache_len)
+
         def sampler_decode(params, st, ctl):
             return decode_impl(run_cfg, params, st, ctl)
 
@@ -104,6 +116,7 @@ class Sampler:
         self.prefill = jax.jit(sampler_prefill, static_argnames=("new_bucket",),
                                compiler_options=self.prefill_options)
         self.prefix = jax.jit(sampler_prefix, static_argnames=("cache_len",), compiler_options=self.prefill_options)
+        self.trunk = jax.jit(sampler_trunk, static_argnames=("cache_len",), compiler_options=self.prefill_options)
         self.decode = jax.jit(sampler_decode, donate_argnums=(1,))
         self.empty = jax.jit(sampler_empty, static_argnames=("batch", "cache_len", "new_bucket"))
         self.refill = jax.jit(sampler_refill, donate_argnums=(1,), compiler_options=self.prefill_options)
@@ -236,17 +249,17 @@ class Sampler:
         with self._mesh_ctx():
             params = self.run_params(self.place_params(params))
             if slots is not None and B > int(slots):
-                tokens, logprobs, lengths, reason, steps, token_slots, L = self._continuous(
+                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled = self._continuous(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows, common)
             else:
-                tokens, logprobs, lengths, reason, steps, token_slots, L = self._one_batch(
+                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled = self._one_batch(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, common)
         out = finish_rows(tokens[:B, :max_new_tokens], logprobs[:B, :max_new_tokens], lengths[:B], reason[:B],
                           tokenizer, stop_strings, host_check)
         return dataclasses.replace(
             out, prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
             prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt), num_steps=int(steps),
-            token_slots=int(token_slots), shared_prefix=L, prefill_tokens=L + sum(len(p) - L for p in prompts))
+            token_slots=int(token_slots), shared_prefix=L, prefill_tokens=int(prefilled))
 
     def device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
@@ -299,17 +312,61 @@ class Sampler:
         ids, mask = self.device_rows(*pad_rows([prefix] * D, D, len(prefix)))
         return self.prefix(params, ids, mask, cache_len=cache_len)
 
+    def _starts(self, params, prompts, Tb: int, Nb: int, common: int):
+        """Where each prompt's prefill starts, for a call at buckets (Tb, Nb): the common prefix's `shared` tokens
+        prefilled once (`_pick_shared`, D rows), then, with `trunk_rows`, the trunks of `requests.plan_trunks`
+        (one row per group, `trunk_rows` rows). Returns (rests: each prompt's tokens still to prefill, their slot width, the start
+        cache or None, src [U] int32 or None (the cache row of each prompt; None: a prompt takes the copy on its own
+        data-parallel shard), keep [U] int32 (real tokens it keeps of that row), shared, tokens prefilled by the
+        common prefix and the trunks)."""
+        shared = self._pick_shared(common, Tb, Nb)
+        cache_len, D = Tb + Nb, self.data_parallel
+        cache = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
+        rests, width = [p[shared:] for p in prompts], Tb - shared
+        keep = np.full((len(prompts),), shared, np.int32)
+        plan = None
+        G = -(-self.trunk_rows // D) * D
+        if G:
+            used = self._trunk_widths.setdefault((Tb, Nb), set())
+            plan = plan_trunks(rests, width, self.min_trunk, sorted(used), max_trunks=G)
+        if plan is None:
+            return rests, width, cache, None, keep, shared, shared
+        used.add(plan.width)
+        ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
+        start = None
+        if cache is not None:
+            src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
+            start = dict(cache=cache, src=src, keep=kept)
+        cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
+        return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
+                shared + sum(map(len, plan.trunks)))
+
+    def prefix_arg(self, cache, src, keep, rows: int):
+        """The `prefix` argument of prefill / refill for `rows` prompt rows (src / keep: per real row, padded here
+        with row 0 and nothing kept); None without a start cache."""
+        if cache is None:
+            return None
+        D = self.data_parallel
+        full_src = (np.arange(rows) * D // rows).astype(np.int32)  # each row's own shard's copy of the prefix
+        full_keep = np.zeros((rows,), np.int32)
+        full_keep[:len(keep)] = keep
+        if src is not None:
+            full_src[:] = 0
+            full_src[:len(src)] = src
+        src, keep = self.device_rows(full_src, full_keep)
+        return dict(cache=cache, src=src, keep=keep)
+
     def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, common=0):
         """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
         the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a
         `common` prefix, the first `shared` tokens (`_pick_shared`) are prefilled once, into the first `shared`
-        slots of the prompt bucket, and each prompt's rest fills the other Tb - shared (same cache length, same
-        decode). Returns the per-row arrays, the rounds, the token slots and `shared`."""
+        slots of the prompt bucket (then the trunks, `_starts`), and each prompt's rest fills the other slots (same
+        cache length, same decode). Returns the per-row arrays, the rounds, the token slots, `shared` and the
+        prompt tokens prefilled."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
-        shared = self._pick_shared(common, Tb, Nb)
-        prefix_cache = self._prefix_cache(params, list(prompts[0][:shared]), Tb + Nb)
-        prompts, Tb = [p[shared:] for p in prompts], Tb - shared
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled = self._starts(params, prompts, Tb, Nb, common)
+        prefilled += sum(map(len, prompts))
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
         src = None
         if Ub < Bb:  # fewer prompts to prefill than rows: prefill each once
@@ -317,27 +374,31 @@ class Sampler:
             src[:P] = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
         else:
             prompts, Ub = [p for p in prompts for _ in range(n)], Bb
+            psrc, pkeep = (None if psrc is None else np.repeat(psrc, n)), np.repeat(pkeep, n)
+        prefix = self.prefix_arg(cache, psrc, pkeep, Ub)
         ids, mask = pad_rows(prompts, Ub, Tb)
         ids, mask = self.device_rows(ids, mask)
         (live,) = self.device_rows(np.arange(Bb) < P)
         key, ctl, src = self.replicated((key, ctl, src))
-        st = self.prefill(params, ids, mask, live, key, ctl, src, prefix_cache, new_bucket=Nb)
+        st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
         return run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
-                               rows=P) + (shared,)
+                         rows=P) + (shared, prefilled)
 
     def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, common=0):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
         calls (host syncs only there). With n > 1 a refill places whole prompts: each prefilled once, into n slots.
-        With a `common` prefix (as in `_one_batch`), every refill starts from the shared prefix's cache."""
+        With a `common` prefix (as in `_one_batch`), every refill starts from the shared prefix's (or the trunks')
+        cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
-        shared = self._pick_shared(common, Tb, Nb)
-        prefix_cache = self._prefix_cache(params, list(prompts[0][:shared]), Tb + Nb)
-        prompts, cache_len, Tb = [p[shared:] for p in prompts], Tb + Nb, Tb - shared
+        cache_len = Tb + Nb
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled = self._starts(params, prompts, Tb, Nb, common)
+        prefilled += sum(map(len, prompts))
         dp = self.data_parallel
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)
         if n > B // dp * dp or n > B:  # a prompt's n rows cannot all fit at once: no sharing
-            prompts, n = [p for p in prompts for _ in range(n)], 1
+            prompts = [p for p in prompts for _ in range(n)]
+            psrc, pkeep, n = (None if psrc is None else np.repeat(psrc, n)), np.repeat(pkeep, n), 1
         # prompts per refill: its own bucket (not min_batch_bucket, which would make every refill wait for 16 free
         # slots), a multiple of the data-parallel degree, and its n rows each must fit the slots
         Ru = -(-bucket_length(-(-want // n), 1) // dp) * dp
@@ -346,13 +407,15 @@ class Sampler:
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
         return run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
-                               rows=len(prompts) * n, prompt_bucket=Tb, prefix=prefix_cache) + (shared,)
+                         rows=len(prompts) * n, prompt_bucket=Tb,
+                         prefix=None if cache is None else (cache, psrc, pkeep)) + (shared, prefilled)
 
     __call__ = generate
 
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
         return {"prefill": self.prefill._cache_size(), "prefix": self.prefix._cache_size(),
+                "trunk": self.trunk._cache_size(),
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}

@@ -34,7 +34,8 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
     """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
     Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
     each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
-    arrays in row order, decode rounds and token slots."""
+    arrays in row order, decode rounds and token slots. prefix: None, or (the start cache, the cache row of each
+    prompt or None, the tokens each prompt keeps of it: `Sampler._starts`)."""
     P, B, Ru = rows, len(holds), refill_rows
     top = B
     R = Ru * n  # slot entries per refill
@@ -57,8 +58,14 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
                 idx[e], row_ids[e] = free[e], nxt + e
                 holds[free[e]] = nxt + e
             ids, mask = sampler.device_rows(ids, mask)
+            start = None
+            if prefix is not None:  # (start cache, its row per prompt or None, tokens kept per prompt)
+                cache, psrc, pkeep = prefix
+                a = nxt // n
+                start = sampler.prefix_arg(cache, None if psrc is None else psrc[a:a + len(take)],
+                                           pkeep[a:a + len(take)], Ru)
             idx, row_ids, src = sampler.replicated((idx, row_ids, src if n > 1 else None))
-            st = sampler.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, prefix)
+            st = sampler.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, start)
             nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
             continue  # fill every free slot before decoding
         if nxt < P:  # return when a refill's worth has finished

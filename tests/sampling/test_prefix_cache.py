@@ -143,3 +143,99 @@ def test_shared_prefix_length_rules(qwen):
                                                                  stop_token_ids=())
     assert a.shared_prefix == 18
     np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+# ----------------------------------------------------------------------------------- trunks (a prefix tree per call)
+
+def _episode_prompts(seed=0, prefix=PREFIX):
+    """Prompts shaped like one NLAC role call: a common prefix (the system message), then per episode its transcript
+    to turn t (each episode's later states extend its earlier ones), then a role tail of the prompt's own. Two
+    episodes of three and two states, and one prompt of an episode seen once."""
+    rng = np.random.RandomState(seed)
+    shared = rng.randint(3, VOCAB - 3, prefix).tolist()
+    out = []
+    for ep, cuts in enumerate(((20, 45, 70), (30, 52), (40,))):
+        transcript = [3 + ep] + rng.randint(3, VOCAB - 3, max(cuts)).tolist()  # its first token tells episodes apart
+        for t, cut in enumerate(cuts):
+            out.append(shared + transcript[:cut] + [VOCAB - 1 - t] + rng.randint(3, VOCAB - 3, 4 + 3 * t).tolist())
+    return out
+
+
+def test_plan_trunks_by_hand():
+    a, b = list(range(10, 110)), list(range(200, 300))
+    rests = [a[:40] + [1, 2], a[:70] + [3], a[:100] + [4, 5, 6], b[:80] + [7], b[:90] + [8, 9], [400, 401]]
+    plan = sampling.plan_trunks(rests, width=128, minimum=16)
+    assert plan.group.tolist()[:5] == [0, 0, 0, 1, 1] and plan.keep.tolist()[5] == 0  # the lone prompt: no trunk
+    # each member keeps its common prefix with its group's longest member (the trunk; which keeps all but its last
+    # token), at most the trunks' width: the largest keep (102) rounded down to two values per power of two (96)
+    assert plan.width == 96
+    assert plan.keep.tolist() == [40, 70, 96, 80, 91, 0]
+    assert [len(t) for t in plan.trunks] == [96, 91] and plan.trunks[0] == tuple(a[:96])
+    assert plan.trunks[1] == tuple(b[:90] + [8])
+    assert plan.tokens(rests) == 96 + 91 + (2 + 1 + 7 + 1 + 1 + 2)
+    assert plan.rests(rests)[2] == a[96:100] + [4, 5, 6]
+    # a width compiled before is reused when it fits and still gains enough; one too wide for the data is not
+    assert sampling.plan_trunks(rests, width=128, minimum=16, used=[80]).width == 80
+    assert sampling.plan_trunks(rests, width=128, minimum=16, used=[120]).width == 96
+    # a rest that needs the room: w shrinks so every remaining rest fits width - w
+    long_rest = b[:20] + list(range(500, 600))
+    plan2 = sampling.plan_trunks(rests + [long_rest], width=128, minimum=16)
+    assert plan2.width <= 128 - (len(long_rest) - int(plan2.keep[-1]))
+    assert all(len(r) - k <= 128 - plan2.width for r, k in zip(rests + [long_rest], plan2.keep.tolist()))
+    # no group, or too little gain: no plan
+    assert sampling.plan_trunks([a[:10] + [1], b[:10] + [2]], 128, 16) is None
+    assert sampling.plan_trunks(rests, 128, 0) is None
+    assert sampling.plan_trunks([a[:20] + list(range(600, 700)), a[:20] + list(range(700, 800))], 128, 16) is None
+    # at most max_trunks groups: those that save the most (group a saves 40 + 70 + 102 - 103, group b 80 + 91 - 92);
+    # group b's prompts then keep nothing, so their whole rests must fit width - w (at width 128 only w = 32 would:
+    # too little gain, no plan)
+    assert sampling.plan_trunks(rests, width=128, minimum=16, max_trunks=1) is None
+    one = sampling.plan_trunks(rests, width=256, minimum=16, max_trunks=1)
+    assert len(one.trunks) == 1 and one.trunks[0] == tuple(a[:96]) and one.keep.tolist() == [40, 70, 96, 0, 0, 0]
+
+
+def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
+    """trunk_rows: each episode's states prefilled once up to its longest state, every prompt only its own rest:
+    greedy tokens equal the unshared path's and transformers'; sampled rows (n per prompt, continuous batching with
+    refills from the trunks' cache) equal the unshared path's row for row; prefill_tokens counts the tree."""
+    hm, m = qwen
+    ps = _episode_prompts()
+    tree = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16, compact_levels=2)
+    flat = sampling.Sampler(m.config, compact_levels=2)  # the common prefix only
+    plain = sampling.Sampler(m.config, min_shared_prefix=0, compact_levels=2)
+    kw = dict(max_new_tokens=16, stop_token_ids=())
+    a, f, b = tree.generate(m.params, ps, **kw), flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
+    assert a.shared_prefix == f.shared_prefix == PREFIX
+    # by hand: episode 0's states are 20 / 45 / 70 transcript tokens + 5 / 8 / 11 of their own; its trunk is its
+    # longest prompt but its last token (80), cut at the trunks' width (80 rounded down to the grid: 64), so they
+    # keep 20 / 45 / 64; episode 1 (30 + 5, 52 + 8) keeps 30 / 59 of a 59-token trunk; episode 2's lone prompt
+    # (45) keeps nothing
+    assert f.prefill_tokens == PREFIX + (25 + 53 + 81) + (35 + 60) + 45
+    assert a.prefill_tokens == PREFIX + (64 + 59) + (5 + 8 + 17) + (5 + 1) + 45
+    assert tree.cache_sizes()["trunk"] == 1 and flat.cache_sizes()["trunk"] == 0
+    _assert_same(a, b)
+    np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
+    stop = tuple(range(40, 90))
+    for kw in (dict(temperature=1.0, seed=5, n=3), dict(temperature=1.0, seed=6, slots=4, refill_rows=2),
+               dict(temperature=1.0, seed=7, slots=8, n=2)):
+        x = tree.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
+        y = plain.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
+        _assert_same(x, y)
+    # other episodes at the same buckets: no new executable
+    before = dict(sampling.TRACE_COUNTS)
+    tree.generate(m.params, _episode_prompts(seed=1), max_new_tokens=16, stop_token_ids=())
+    assert dict(sampling.TRACE_COUNTS) == before
+
+
+def test_trunks_on_eight_devices_equal_one(qwen):
+    _, m = qwen
+    ps = _episode_prompts(seed=3)
+    ref = sampling.Sampler(m.config, min_shared_prefix=0).generate(m.params, ps, max_new_tokens=12,
+                                                                    stop_token_ids=())
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=4)
+    params = jax.device_put(m.params, models.param_shardings(m.config, mesh))
+    s = sampling.Sampler(m.config, mesh=mesh, trunk_rows=4, min_trunk=16)
+    for kw in (dict(), dict(slots=4, refill_rows=2)):
+        out = s.generate(params, ps, max_new_tokens=12, stop_token_ids=(), **kw)
+        assert out.prefill_tokens < sum(len(p) for p in ps) // 2
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
