@@ -135,9 +135,10 @@ class ModelRoleSampler:
         res = self.sampler.generate(weights, prompts, max_new_tokens=budget, temperature=temp, top_p=top_p,
                                     stop_token_ids=self.stop_ids, seed=seed, tokenizer=self.tokenizer,
                                     slots=self.max_batch, n=n)  # each prompt prefilled once for its n samples
+        prefilled = getattr(res, "prefill_tokens", None)  # (a stand-in sampler may not count them)
         self.counters.add(role, len(prompts) * n, int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
-                          n_slots=res.token_slots, presented=n * sum(map(len, prompts)),
-                          prefilled=int(res.prefill_tokens))
+                          n_slots=res.token_slots, presented=n * sum(map(len, prompts)) if prefilled else 0,
+                          prefilled=int(prefilled or 0))
         return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]
 
     def score(self, messages_batch: list[list[dict]], continuations: Sequence[str], params: ParamsName,

@@ -78,8 +78,15 @@ Design
   following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
   compiled at the same buckets when one is within 3/4 of the common prefix: few, sticky shapes (the loop's
   no-recompilation test holds). The decode executables are the unshared path's (same cache length). Not for
-  sliding-window configs (their window is measured in slots). Not yet across calls, and one common prefix per
-  call (not a radix tree). `GenerateOutput.shared_prefix` / `prefill_tokens` say what a call shared and computed.
+  sliding-window configs (their window is measured in slots). Not yet across calls. `GenerateOutput.shared_prefix`
+  / `prefill_tokens` say what a call shared and computed.
+* Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
+  groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
+  states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and
+  every prompt starts from its trunk's row with the row's later tokens masked (`decode.prefix_rows`), keeping its
+  common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus the trunks' width (a
+  coarse, sticky grid). Equal outputs as above; its widths depend on the data, so a later call may compile a new
+  one (the default path's no-recompilation guarantee does not cover it).
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.

@@ -52,7 +52,9 @@ PARAMS = [
 
 # what legitimately differs between the runs: wall-clock times and this process's own episode count
 # compile/count: several processes also compile the exchanges' collectives (allgathers)
-NOT_COMPARED = ("time/", "tokens_per_s", "collect/episodes_this_process", "eval/episodes_this_process", "compile/")
+# prefill_share: the shared prefix's length sticks to lengths the process compiled before (a resumed one starts afresh)
+NOT_COMPARED = ("time/", "tokens_per_s", "collect/episodes_this_process", "eval/episodes_this_process", "compile/",
+                "prefill_share")
 
 
 # ----------------------------------------------------------------------------- start-up rule (no subprocess)
