@@ -216,8 +216,7 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     _assert_same(a, b)
     np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
     stop = tuple(range(40, 90))
-    for kw in (dict(temperature=1.0, seed=5, n=3), dict(temperature=1.0, seed=6, slots=4, refill_rows=2),
-               dict(temperature=1.0, seed=7, slots=8, n=2)):
+    for kw in (dict(temperature=1.0, seed=5, n=3), dict(temperature=1.0, seed=6, slots=4, refill_rows=2)):
         x = tree.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
         y = plain.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
         _assert_same(x, y)
