@@ -315,17 +315,17 @@ class Sampler:
     def _starts(self, params, prompts, Tb: int, Nb: int, common: int):
         """Where each prompt's prefill starts, for a call at buckets (Tb, Nb): the common prefix's `shared` tokens
         prefilled once (`_pick_shared`, D rows), then, with `trunk_rows`, the trunks of `requests.plan_trunks`
-        (one row per group, `trunk_rows` rows). Returns (rests: each prompt's tokens still to prefill, their slot width, the start
-        cache or None, src [U] int32 or None (the cache row of each prompt; None: a prompt takes the copy on its own
-        data-parallel shard), keep [U] int32 (real tokens it keeps of that row), shared, tokens prefilled by the
-        common prefix and the trunks)."""
+        (one row per group, `trunk_rows` rows; never for sliding-window configs, as the common prefix). Returns
+        (rests: each prompt's tokens still to prefill, their slot width, the start cache or None, src [U] int32 or
+        None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
+        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix and the trunks)."""
         shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
         cache = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
         rests, width = [p[shared:] for p in prompts], Tb - shared
         keep = np.full((len(prompts),), shared, np.int32)
         plan = None
-        G = -(-self.trunk_rows // D) * D
+        G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
         if G:
             used = self._trunk_widths.setdefault((Tb, Nb), set())
             plan = plan_trunks(rests, width, self.min_trunk, sorted(used), max_trunks=G)

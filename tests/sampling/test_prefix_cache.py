@@ -114,6 +114,10 @@ def test_sliding_window_configs_do_not_share(tmp_path):
     ps = _prompts(seed=5, rests=(2, 6))
     out = sampling.Sampler(m.config).generate(m.params, ps, max_new_tokens=8, stop_token_ids=())
     assert out.shared_prefix == 0 and out.prefill_tokens == sum(len(p) for p in ps)
+    # nor trunks (their prompts would be extended after a padded gap too)
+    out = sampling.Sampler(m.config, trunk_rows=2, min_trunk=4).generate(m.params, ps, max_new_tokens=8,
+                                                                         stop_token_ids=())
+    assert out.shared_prefix == 0 and out.prefill_tokens == sum(len(p) for p in ps)
     from nlac_jax.models import decoder
     with pytest.raises(ValueError, match="sliding-window"):
         decoder.extend(m.config, m.params, None, None, None)
