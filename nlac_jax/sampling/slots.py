@@ -29,8 +29,9 @@ def half_batch(batch: int, top: int, levels: int, dp: int) -> int | None:
     ok = levels and half >= max(1, top >> levels) and half % dp == 0
     return half if ok else None
 
+
 def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
-               prompt_bucket=0, prefix=None):
+              prompt_bucket=0, prefix=None):
     """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
     Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
     each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
