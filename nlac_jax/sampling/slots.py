@@ -95,6 +95,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
             st = sampler.compact(st, sampler.replicated(jnp.asarray(np.asarray(keep, np.int32))))
             holds, B = [holds[b] for b in keep], half
 
+
 def compile_drain(sampler, params, st, ctl) -> None:
     """Compile the compact and decode executables of every batch of this state's drain chain, the first time its
     bucket is seen: which levels a call reaches depends on its data, and a later call must not compile."""
