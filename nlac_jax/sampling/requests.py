@@ -186,8 +186,7 @@ def plan_trunks(rests: Sequence[list], width: int, minimum: int, used: Sequence[
     the slots every rest had without trunks (prompt bucket - common prefix); the trunks take `w` of them (the
     largest width in `used`, those this sampler compiled before, that fits and gains enough, else the largest
     feasible width rounded down to two values per power of two: the rest of every prompt must fit width - w) and
-    each remaining rest the other width - w. So the
-    prefill's shapes stay the call's buckets. max_trunks: at most this many groups (those that save the most
+    each remaining rest the other width - w. So the prefill's shapes stay the call's buckets. max_trunks: at most this many groups (those that save the most
     tokens; the others' prompts take no trunk), so the trunk executable's row count is fixed. None when no group
     forms (`minimum` <= 0, fewer than two prompts) or when the plan saves less than `min_gain` of the rests' tokens
     (not worth its own executable call).
