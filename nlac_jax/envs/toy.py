@@ -252,16 +252,43 @@ class GuessNumberEnv(EnvBase):
         return "wasted" if g != self.target and self.wasted(g) else "informative"
 
 
-def binary_search_policy(history: Sequence[dict], n: int) -> str:
-    """Scripted optimal policy: guess the midpoint of the interval implied by the feedback in ``history``."""
-    lo, hi, last = 1, n, None
+_RANGE_RE = re.compile(r'between 1 and (\d+)')
+
+
+def public_interval(history: Sequence[dict], n: int) -> tuple[int, int, set]:
+    """(lo, hi, guessed) from the public transcript alone: the interval the replies "higher" / "lower" still
+    allow ("no answer" and errors move nothing) and every number guessed so far."""
+    lo, hi, last, guessed = 1, n, None, set()
     for m in history:
         if m['role'] == 'assistant':
             last = parse_guess(m['content'])
+            if last is not None:
+                guessed.add(last)
         elif m['role'] == 'user' and last is not None:
-            c = m['content'].lower()
+            c = m['content'].strip().lower()
             if c.startswith('higher'):
-                lo = last + 1
+                lo = max(lo, last + 1)
             elif c.startswith('lower'):
-                hi = last - 1
+                hi = min(hi, last - 1)
+    return lo, hi, guessed
+
+
+def binary_search_policy(history: Sequence[dict], n: int) -> str:
+    """Scripted optimal policy: guess the midpoint of the interval implied by the feedback in ``history``."""
+    lo, hi, _ = public_interval(history, n)
     return str((lo + hi) // 2)
+
+
+@gin.configurable(module='nlac_jax.envs')
+def dominated_guess(state: Sequence[dict], action: str) -> bool:
+    """True iff ``action``'s guess is dominated on the public transcript ``state`` alone: a number guessed before,
+    or outside the interval the replies still allow (its answer is known already). Both are moves the policy can
+    see are useless; no hidden rule or answer is read. An action without a guess, or a state without the game's
+    opening line, is not judged here (False). For `nlac.TargetConfig.target_filter`."""
+    g = parse_guess(action)
+    first = next((m['content'] for m in state if m.get('role') == 'user'), '')
+    m = _RANGE_RE.search(first or '')
+    if g is None or m is None:
+        return False
+    lo, hi, guessed = public_interval(state, int(m.group(1)))
+    return g in guessed or not lo <= g <= hi

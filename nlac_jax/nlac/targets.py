@@ -48,6 +48,8 @@ round i-1), with ``n = k`` for the futures. Choices the paper leaves open, and t
     latest usable refinement (fresh futures, fresh critique) and the refiner improves THAT action.
   * Critique ablation (``ablate_critique``): no successor or evaluator call; the refiner gets a fixed
     uninformative text, and without a verdict only usable refinements are targets.
+  * ``target_filter`` (off by default): a target that a rule on the public state refuses is DROPPED
+    (``policy_dropped_filtered``).
 
 Dropped examples are still returned (one per input, for aligned logging) with ``dropped`` set to the reason
 and an empty ``target_text``; :func:`trainable` removes them.
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import gin
 
@@ -120,6 +122,11 @@ class TargetConfig:
       success_threshold: terminal success, when the environment gives no ``info['success']``, is
         ``r_t > success_threshold`` (the final step's reward = its return-to-go).
       terminal_include_observation: terminal summaries quote the environment's final message.
+      target_filter: None, or f(state_messages, action) -> True for a policy target that must not be distilled
+        (the example is dropped, ``policy_dropped_filtered``): a rule on the public state only, the same for every
+        arm that builds policy examples here, e.g. `nlac_jax.envs.dominated_guess` (a repeated guess, or one
+        outside the interval the replies allow). It removes what a critic approved but the policy could see is
+        useless; it never adds a target.
       keep_reasoning: reasoning models (QwQ, Qwen3 thinking) write ``<think>...</think>`` before their answer.
         True: a target keeps the reasoning of the generation it comes from (the backup's for d*_t; the refiner's,
         or the policy's when a itself is the target), so the model keeps learning to think before it answers;
@@ -148,6 +155,7 @@ class TargetConfig:
     success_threshold: float = 0.0
     terminal_include_observation: bool = True
     keep_reasoning: bool = False
+    target_filter: Optional[Callable[[list, str], bool]] = None
 
     def __post_init__(self):
         if not isinstance(self.keep_reasoning, bool):  # a string 'False' would be truthy
@@ -194,6 +202,7 @@ class TargetStats:
     policy_dropped_unparsable: int = 0  # no usable refinement and the verdict on a did not parse
     policy_dropped_no_verdict: int = 0  # no usable refinement and no evaluator (ablate_critique)
     policy_dropped_action: int = 0  # no usable refinement, a judged optimal but itself unusable (empty/long/cut)
+    policy_dropped_filtered: int = 0  # the target was usable but TargetConfig.target_filter refused it
 
     @property
     def frac_optimal(self) -> float:
@@ -205,7 +214,7 @@ class TargetStats:
     def policy_dropped(self) -> int:
         """Policy examples dropped, all reasons."""
         return (self.policy_dropped_rejected + self.policy_dropped_unparsable + self.policy_dropped_no_verdict
-                + self.policy_dropped_action + self.refinement_unchanged_dropped)
+                + self.policy_dropped_action + self.refinement_unchanged_dropped + self.policy_dropped_filtered)
 
     def count_call(self, role: str, n_texts: int) -> None:
         """Records one sampler call for ``role`` that produced ``n_texts`` texts."""
@@ -271,7 +280,8 @@ class PolicyExample:
     ``dropped`` is None for a usable example, else why it must not be trained on: 'rejected' (no usable
     refinement, verdict suboptimal), 'verdict_unparsable', 'no_verdict' (critique ablated), 'action_truncated'
     or 'action_unusable' (verdict optimal but a is cut off / empty / too long), 'refinement_unchanged' (the
-    refinement equals a and the verdict on a was not optimal). Dropped: empty ``target_text``.
+    refinement equals a and the verdict on a was not optimal), 'filtered' (``TargetConfig.target_filter`` refused
+    the target). Dropped: empty ``target_text``.
     """
 
     prompt_messages: list[dict]
@@ -712,6 +722,9 @@ def build_policy_examples(
             stats.policy_dropped_action += 1
         else:
             target, reasoning = c.action, c.action_reasoning  # judged optimal, no usable refinement: distil a itself
+        if dropped is None and cfg.target_filter is not None and cfg.target_filter(c.state, target):
+            target, reasoning, dropped = "", "", "filtered"
+            stats.policy_dropped_filtered += 1
         if dropped is None:
             stats.refinement_unchanged += int(_same_action(target, c.action))
             if cfg.keep_reasoning:

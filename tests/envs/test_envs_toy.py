@@ -1,6 +1,7 @@
 """Toy number-guessing env: binary search wins, turn limits, malformed actions, optimality hook."""
 
 import itertools
+import random
 
 import pytest
 
@@ -237,3 +238,27 @@ def test_action_categories_by_hand():
     assert action_breakdown([ep], env) == {'actions/invalid': 0.0, 'actions/repeat': 0.0, 'actions/outside': 0.25,
                                            'actions/wasted': 0.25, 'actions/informative': 0.5}
     assert action_breakdown([ep], None) == {}
+
+
+def test_dominated_guess_reads_the_public_transcript_as_the_env_categorises():
+    """envs.dominated_guess (public transcript only) == the env's own categories 'repeat' or 'outside' (which replay
+    the hidden target), on random games with waste, repeats and out-of-range guesses."""
+    from nlac_jax.envs.toy import dominated_guess
+    rng = random.Random(3)
+    checked = {True: 0, False: 0}
+    for _ in range(60):
+        n, target = 32, rng.randint(1, 32)
+        env = GuessNumberEnv(n=n, max_turns=8, wasted_numbers=(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21))
+        state = env.reset(Task('t', 'test', {'target': target, 'n': n}))
+        for _ in range(8):
+            g = str(rng.choice([rng.randint(-2, 35), rng.randint(1, 32)]))
+            want = env.action_category(state, g) in ("repeat", "outside")
+            assert dominated_guess(state, g) == want, (state, g)
+            assert not dominated_guess(state, "no number here")
+            checked[want] += 1
+            r = env.step(g)
+            state = state + [{'role': 'assistant', 'content': g}, {'role': 'user', 'content': r.observation}]
+            if r.done:
+                break
+    assert min(checked.values()) > 20  # both answers were exercised
+    assert not dominated_guess([{'role': 'user', 'content': 'no opening line'}], "5")

@@ -352,6 +352,29 @@ def test_refinement_equal_to_a_is_distilled_only_under_an_optimal_verdict():
     assert (ex[0].target_text, ex[0].dropped) == ("REF1(POL(U-x))", None)
 
 
+def test_target_filter_drops_refused_targets_of_either_source():
+    # the filter sees (state, target): it refuses the approved a of state 0 and the refinement of state 1
+    seen = []
+
+    def refuse(state, target):
+        seen.append((state[-1]["content"], target))
+        return target in ("POL(U-0)", "REF1(POL(U-1))")
+    critiques = ["fine\nVerdict: optimal", "bad\nVerdict: suboptimal", "fine\nVerdict: optimal"]
+    refiner = ["", "Action: REF1(POL(U-1))", ""]
+    stats = TargetStats()
+    ex = build_policy_examples([trans(str(i)) for i in range(3)], make_sampler(evaluator=critiques, refiner=refiner),
+                               TargetConfig(target_filter=refuse), PS, stats)
+    assert [(e.target_text, e.dropped) for e in ex] == [("", "filtered"), ("", "filtered"), ("POL(U-2)", None)]
+    assert seen == [("U-0", "POL(U-0)"), ("U-1", "REF1(POL(U-1))"), ("U-2", "POL(U-2)")]
+    assert trainable(ex) == [ex[2]]
+    assert stats.policy_dropped_filtered == 2 and stats.policy_dropped == 2 and stats.refinement_unchanged == 1
+    assert stats.as_dict()["nlac/policy_dropped_filtered"] == 2.0
+    # an example dropped for another reason never reaches the filter
+    seen.clear()
+    build_policy_examples([trans("r")], make_sampler(refiner=""), TargetConfig(target_filter=refuse), PS)
+    assert seen == []
+
+
 def test_unchanged_refinement_without_a_verdict_is_dropped_when_the_critique_is_ablated():
     sampler = make_sampler(refiner=lambda msgs, j: f"Action: {prompt_action(msgs)}")
     stats = TargetStats()
