@@ -41,7 +41,7 @@ sys.path.insert(0, REPO)
 
 def trie_tokens(seqs) -> int:
     """Tokens a perfect prefix cache computes for these sequences: the number of distinct prefixes (trie nodes)."""
-    from nlac_jax.training.prefix_packing import common_prefix_length
+    from nlac_jax.text import common_prefix_length
     out, prev = 0, []
     for s in sorted(map(list, seqs)):
         out += len(s) - common_prefix_length(prev, s)

@@ -47,7 +47,8 @@ class LoopConfig:
       0: off). sampler_trunk_rows: > 0 also prefills, once per call, up to this many trunks (rounded up to a multiple
       of the data-parallel degree): groups of a call's prompts that share at least sampler_shared_prefix more
       tokens, in an RL targets phase one episode's states (`sampling.Sampler(trunk_rows=)`, `plan_trunks`); for
-      long multi-turn prompts (τ-bench: benchmarks/bench_targets.py); 0: off.
+      long multi-turn prompts (τ-bench: benchmarks/bench_targets.py); 0: off (the default: its first call at each
+      bucket compiles a trunk and a prefill executable per width of its grid, which a toy run does not repay).
     Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.

@@ -85,8 +85,11 @@ Design
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and
   every prompt starts from its trunk's row with the row's later tokens masked (`decode.prefix_rows`), keeping its
   common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus the trunks' width (a
-  coarse, sticky grid). Equal outputs as above; its widths depend on the data, so a later call may compile a new
-  one (the default path's no-recompilation guarantee does not cover it).
+  grid of two widths per power of two, `requests.trunk_grid`). Equal outputs as above. The width a call takes
+  depends on its data, so the first call of two or more prompts at a bucket compiles the trunk and prefill
+  executables of every grid width there (lowered only; one trunk run on placeholder rows): no later call at that
+  bucket compiles, and a plan never depends on what the process compiled before. Continuous batching's refills
+  still compile a new rest width as it comes (the loop does not use them).
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.
@@ -123,7 +126,8 @@ Design
 
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
-from nlac_jax.sampling.requests import OVERFLOW_POLICIES, TrunkPlan, plan_trunks, prefix_to_share, shared_prefix_length
+from nlac_jax.sampling.requests import (OVERFLOW_POLICIES, TrunkPlan, plan_trunks, prefix_to_share, shared_prefix_length,
+                                        trunk_grid)
 from nlac_jax.sampling.output import GenerateOutput
 from nlac_jax.sampling.sampler import Sampler, generate, get_sampler
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
@@ -131,7 +135,7 @@ from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_t
                                             stop_string_table, token_bytes)
 
 __all__ = [
-    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length", "prefix_to_share", "plan_trunks", "TrunkPlan",
+    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length", "prefix_to_share", "plan_trunks", "TrunkPlan", "trunk_grid",
     "STOP_REASONS", "TRACE_COUNTS", "DecodeState", "controls", "prefill_impl", "decode_impl", "MIN_STOP_SLOTS",
     "select_tokens", "filter_logits", "top_k_mask", "top_p_mask",
     "token_bytes", "stop_string_table", "device_stop_table", "host_stop_string_cut", "cut_text", "decode_text",

@@ -15,7 +15,7 @@ import numpy as np
 
 from nlac_jax import text
 from nlac_jax.sampling.stop_strings import device_stop_table
-from nlac_jax.text import bucket_floor
+from nlac_jax.text import bucket_floor, common_prefix_length
 
 log = logging.getLogger("nlac_jax.sampling.sampler")  # the name its warnings always had
 
@@ -62,8 +62,7 @@ def shared_prefix_length(prompts: Sequence[list], minimum: int = _MIN_SHARED_PRE
     for p in prompts[1:]:
         if L == 0:
             break
-        diff = np.flatnonzero(np.asarray(p[:L], np.int64) != a[:L])
-        L = int(diff[0]) if diff.size else L
+        L = common_prefix_length(a[:L], p)
     return L if L >= minimum else 0
 
 
@@ -143,13 +142,6 @@ def stop_table(tokenizer, vocab_size: int, stop_strings):
     return device_stop_table(tokenizer, vocab_size, stop_strings)
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two int arrays."""
-    n = min(len(a), len(b))
-    d = np.flatnonzero(a[:n] != b[:n])
-    return int(d[0]) if d.size else n
-
-
 def _tokens(rests, keep, groups, w: int) -> int:
     """Tokens a plan with trunk width `w` prefills (`TrunkPlan.tokens` before the plan is built)."""
     k = np.minimum(keep, w)
@@ -178,6 +170,13 @@ class TrunkPlan:
         return sum(map(len, self.trunks)) + sum(len(r) - int(k) for r, k in zip(rests, self.keep))
 
 
+def trunk_grid(minimum: int, width: int) -> list[int]:
+    """Every trunk width `plan_trunks` may choose for a call whose rests have `width` slots: the values of
+    `text.bucket_floor(w, minimum, 2)` for minimum <= w < width (two per power of two), ascending; [] when none
+    fits (each rest keeps at least one slot of its own)."""
+    return sorted({bucket_floor(w, minimum, 2) for w in range(max(1, minimum), width)})
+
+
 def plan_trunks(rests: Sequence[list], width: int, minimum: int, used: Sequence[int] = (),
                 min_gain: float = 0.2, max_trunks: int | None = None) -> TrunkPlan | None:
     """A prefix tree of depth two for one call: groups of prompts whose rests (token lists after the call's common
@@ -199,7 +198,7 @@ def plan_trunks(rests: Sequence[list], width: int, minimum: int, used: Sequence[
         return None
     arrs = [np.asarray(r, np.int64) for r in rests]
     order = sorted(range(U), key=lambda i: rests[i])
-    adj = [_lcp(arrs[a], arrs[b]) for a, b in zip(order, order[1:])]
+    adj = [common_prefix_length(arrs[a], arrs[b]) for a, b in zip(order, order[1:])]
     # groups are the runs of the sorted rests whose neighbours share >= theta tokens; theta decides how far a
     # group reaches (all of a call's episodes may share a greeting beyond the common prefix, each episode its
     # transcript): every distinct sharing length is tried (16 at most) and the plan that prefills least wins
@@ -229,7 +228,7 @@ def _plan_groups(rests, arrs, groups, width, minimum, used, min_gain, max_trunks
     if max_trunks is not None and len(groups) > max_trunks:  # keep the groups that save the most tokens
         def saved(g):
             t = max(g, key=lambda i: len(rests[i]))
-            return sum(min(_lcp(arrs[i], arrs[t]), len(rests[i]) - 1) for i in g) - len(rests[t])
+            return sum(min(common_prefix_length(arrs[i], arrs[t]), len(rests[i]) - 1) for i in g) - len(rests[t])
         groups = sorted(sorted(groups, key=saved, reverse=True)[:max(0, max_trunks)], key=lambda g: g[0])
     if not groups:
         return None
@@ -240,7 +239,7 @@ def _plan_groups(rests, arrs, groups, width, minimum, used, min_gain, max_trunks
         t = max(members, key=lambda i: len(rests[i]))
         for i in members:
             group[i] = gi
-            keep[i] = min(_lcp(arrs[i], arrs[t]), len(rests[i]) - 1)
+            keep[i] = min(common_prefix_length(arrs[i], arrs[t]), len(rests[i]) - 1)
         trunks.append(rests[t])
     need = max(int(keep.max()), 0)
     fit = width - max(len(r) - int(k) for r, k in zip(rests, keep))  # the trunks' width if no keep were cut

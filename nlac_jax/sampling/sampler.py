@@ -26,7 +26,7 @@ from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state,
                                       prefill_impl, prefix_impl, refill_impl, trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
-                                        plan_trunks, prefix_to_share, shared_prefix_length, stop_table)
+                                        plan_trunks, prefix_to_share, shared_prefix_length, stop_table, trunk_grid)
 from nlac_jax.sampling.output import GenerateOutput, finish_rows
 from nlac_jax.sampling.slots import pad_rows, run_slots
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
@@ -74,10 +74,17 @@ class Sampler:
         # tokens form groups (at most trunk_rows, those that save the most), each prefilled once up to its longest
         # member (a trunk), and each prompt keeps its common prefix with that trunk (`requests.plan_trunks`: in an RL
         # targets phase, one episode's states). 0: off. A fixed row count (a multiple of the data-parallel degree),
-        # so the trunk executable's shape depends on the data only through its sticky width. One more executable
-        # call per sampler call, made only when a plan saves at least a fifth of the rests' tokens.
+        # so the trunk executable's shape depends on the data only through its width, one of a grid of two per
+        # power of two. One more executable call per sampler call, made only when a plan saves at least a fifth of
+        # the rests' tokens. Its cost: the first call of two or more prompts at a (prompt bucket, new-token bucket,
+        # shared prefix) compiles a trunk and a prefill executable per grid width (2 log2(width / min_trunk) each),
+        # so that no later call there compiles, whatever width its data asks for.
         self.trunk_rows, self.min_trunk = max(0, int(trunk_rows)), max(1, int(min_trunk))
-        self._trunk_widths: dict = {}  # (prompt bucket, new-token bucket) -> trunk widths compiled there
+        # (prompt bucket, new-token bucket, shared prefix) -> the trunk widths there: the whole grid of
+        # `requests.trunk_grid`, whose executables are compiled by the first call there (`_starts`, `_one_batch`),
+        # so a later call finds every width it may plan compiled, and a plan does not depend on what this process
+        # compiled before (a resumed run plans as the uninterrupted one)
+        self._trunk_widths: dict = {}
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -318,28 +325,50 @@ class Sampler:
         (one row per group, `trunk_rows` rows; never for sliding-window configs, as the common prefix). Returns
         (rests: each prompt's tokens still to prefill, their slot width, the start cache or None, src [U] int32 or
         None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
-        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix and the trunks)."""
+        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix and the trunks,
+        fresh). fresh: None, or at the first call with trunks at these buckets and shared length, (the grid of trunk
+        widths, whose trunk executables this call compiled, a trunks' cache of placeholder rows, the common prefix's
+        cache or None) for `_compile_rests`."""
         shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
         cache = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
         rests, width = [p[shared:] for p in prompts], Tb - shared
         keep = np.full((len(prompts),), shared, np.int32)
-        plan = None
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
-        if G:
-            used = self._trunk_widths.setdefault((Tb, Nb), set())
-            plan = plan_trunks(rests, width, self.min_trunk, sorted(used), max_trunks=G)
-        if plan is None:
-            return rests, width, cache, None, keep, shared, shared
-        used.add(plan.width)
-        ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
+        if not G or len(prompts) < 2:  # (one prompt: nothing to share, and no grid compiled for it)
+            return rests, width, cache, None, keep, shared, shared, None
         start = None
         if cache is not None:
             src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
             start = dict(cache=cache, src=src, keep=kept)
+        fresh = None
+        if (Tb, Nb, shared) not in self._trunk_widths:  # which width a later call plans depends on its data
+            grid = self._trunk_widths[(Tb, Nb, shared)] = tuple(trunk_grid(self.min_trunk, width))
+            for w in grid[1:]:
+                self.trunk.lower(params, *self.device_rows(*pad_rows([], G, w)), start, cache_len=cache_len).compile()
+            if grid:  # one run on placeholder rows: a trunks' cache exactly as the prefill will be given one
+                fresh = (grid, self.trunk(params, *self.device_rows(*pad_rows([], G, grid[0])), start,
+                                          cache_len=cache_len), cache)
+        grid = self._trunk_widths[(Tb, Nb, shared)]
+        plan = plan_trunks(rests, width, self.min_trunk, grid, max_trunks=G) if grid else None
+        if plan is None:
+            return rests, width, cache, None, keep, shared, shared, fresh
+        ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
         cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
         return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
-                shared + sum(map(len, plan.trunks)))
+                shared + sum(map(len, plan.trunks)), fresh)
+
+    def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
+        """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
+        call's rest `width` minus each trunk width of the grid (the start cache: the trunks'), and `width` itself
+        (no plan: the common prefix's cache or none). prefill_args(ids, mask, prefix): the call's own arguments
+        with these. Lowered and compiled only (nothing runs); the later calls' jit finds the executables."""
+        grid, trunks, base = fresh
+        src, keep = self.device_rows(np.zeros((rows,), np.int32), np.zeros((rows,), np.int32))
+        for w, prefix in [(width - g, dict(cache=trunks, src=src, keep=keep)) for g in grid] + [
+                (width, self.prefix_arg(base, None, np.zeros((0,), np.int32), rows))]:
+            args, kwargs = prefill_args(*self.device_rows(*pad_rows([], rows, w)), prefix)
+            self.prefill.lower(*args, **kwargs).compile()
 
     def prefix_arg(self, cache, src, keep, rows: int):
         """The `prefix` argument of prefill / refill for `rows` prompt rows (src / keep: per real row, padded here
@@ -365,7 +394,8 @@ class Sampler:
         prompt tokens prefilled."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled = self._starts(params, prompts, Tb, Nb, common)
+        full = Tb
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, fresh = self._starts(params, prompts, Tb, Nb, common)
         prefilled += sum(map(len, prompts))
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
         src = None
@@ -380,6 +410,9 @@ class Sampler:
         ids, mask = self.device_rows(ids, mask)
         (live,) = self.device_rows(np.arange(Bb) < P)
         key, ctl, src = self.replicated((key, ctl, src))
+        if fresh is not None:
+            self._compile_rests(fresh, full - shared, Ub, lambda i, m, pre: (
+                (params, i, m, live, key, ctl, src, pre), dict(new_bucket=Nb)))
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
         return run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
@@ -392,7 +425,8 @@ class Sampler:
         cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len = Tb + Nb
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled = self._starts(params, prompts, Tb, Nb, common)
+        # (continuous batching compiles its refill's rest widths as they come: the loop does not use it)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, _ = self._starts(params, prompts, Tb, Nb, common)
         prefilled += sum(map(len, prompts))
         dp = self.data_parallel
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)

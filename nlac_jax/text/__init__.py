@@ -7,17 +7,17 @@
     T = text.bucket_length(n, maximum=max_len, fine=True)        # the one bucketing rule (prompts, batches)
 
 Files: `tokenizer.py` (loading, chat rendering and encoding, stop and turn-end tokens), `fitting.py` (`PromptFitter`,
-`elide_messages`, `PromptTooLongError`), `shapes.py` (`bucket_length`, `bucket_floor`, `left_pad`). This module holds
+`elide_messages`, `PromptTooLongError`), `shapes.py` (`bucket_length`, `bucket_floor`, `common_prefix_length`, `left_pad`). This module holds
 only these notes and the re-exports. Examples and their packing into train batches are the train step's input
 contract: `training/batching.py`.
 """
 
 from nlac_jax.text.fitting import (ELISION_MARKER, FIT_HINT, FitCounters, PromptFitter, PromptTooLongError,
                                    elide_messages, elision_cuts)
-from nlac_jax.text.shapes import bucket_floor, bucket_length, left_pad
+from nlac_jax.text.shapes import bucket_floor, bucket_length, common_prefix_length, left_pad
 from nlac_jax.text.tokenizer import (TURN_END_TOKENS, check_tokenizer_json, encode_chat, encode_text, load_tokenizer,
                                      render_chat, stop_token_ids, turn_end_token_id)
 
 __all__ = ["ELISION_MARKER", "FIT_HINT", "FitCounters", "PromptFitter", "PromptTooLongError", "elide_messages",
-           "elision_cuts", "bucket_floor", "bucket_length", "left_pad", "TURN_END_TOKENS", "check_tokenizer_json",
+           "elision_cuts", "bucket_floor", "bucket_length", "common_prefix_length", "left_pad", "TURN_END_TOKENS", "check_tokenizer_json",
            "encode_chat", "encode_text", "load_tokenizer", "render_chat", "stop_token_ids", "turn_end_token_id"]

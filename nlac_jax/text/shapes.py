@@ -39,6 +39,14 @@ def bucket_floor(n: int, minimum: int = 16, per_octave: int = 2) -> int:
     return max(int(minimum), n // step * step)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (lists or int arrays): the one rule the sampler's
+    shared prefixes and trunks and the train step's prefix packing share."""
+    n = min(len(a), len(b))
+    d = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(d[0]) if d.size else n
+
+
 def left_pad(
     sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -34,18 +34,10 @@ from typing import Sequence
 import numpy as np
 
 from nlac_jax import text
+from nlac_jax.text import common_prefix_length  # re-exported: the packing module's public helper before
 from nlac_jax.training import batching
 
 __all__ = ["common_prefix_length", "prefix_forest", "pack_shared_prefix", "packing_stats"]
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nlac_jax import models, sampling
-from nlac_jax.parallel import sharding
+from nlac_jax.parallel import compilations, sharding
 from nlac_jax.testing import tiny
 
 from hf_reference import hf_greedy, make_hf_model
@@ -151,14 +151,14 @@ def test_shared_prefix_length_rules(qwen):
 
 # ----------------------------------------------------------------------------------- trunks (a prefix tree per call)
 
-def _episode_prompts(seed=0, prefix=PREFIX):
+def _episode_prompts(seed=0, prefix=PREFIX, cuts=((20, 45, 70), (30, 52), (40,))):
     """Prompts shaped like one NLAC role call: a common prefix (the system message), then per episode its transcript
     to turn t (each episode's later states extend its earlier ones), then a role tail of the prompt's own. Two
     episodes of three and two states, and one prompt of an episode seen once."""
     rng = np.random.RandomState(seed)
     shared = rng.randint(3, VOCAB - 3, prefix).tolist()
     out = []
-    for ep, cuts in enumerate(((20, 45, 70), (30, 52), (40,))):
+    for ep, cuts in enumerate(cuts):
         transcript = [3 + ep] + rng.randint(3, VOCAB - 3, max(cuts)).tolist()  # its first token tells episodes apart
         for t, cut in enumerate(cuts):
             out.append(shared + transcript[:cut] + [VOCAB - 1 - t] + rng.randint(3, VOCAB - 3, 4 + 3 * t).tolist())
@@ -216,7 +216,7 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     # (45) keeps nothing
     assert f.prefill_tokens == PREFIX + (25 + 53 + 81) + (35 + 60) + 45
     assert a.prefill_tokens == PREFIX + (64 + 59) + (5 + 8 + 17) + (5 + 1) + 45
-    assert tree.cache_sizes()["trunk"] == 1 and flat.cache_sizes()["trunk"] == 0
+    assert flat.cache_sizes()["trunk"] == 0
     _assert_same(a, b)
     np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
     stop = tuple(range(40, 90))
@@ -224,10 +224,20 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
         x = tree.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
         y = plain.generate(m.params, ps, max_new_tokens=20, stop_token_ids=stop, **kw)
         _assert_same(x, y)
-    # other episodes at the same buckets: no new executable
-    before = dict(sampling.TRACE_COUNTS)
-    tree.generate(m.params, _episode_prompts(seed=1), max_new_tokens=16, stop_token_ids=())
-    assert dict(sampling.TRACE_COUNTS) == before
+    # other calls at the same buckets, whatever their plan: the first call compiled the trunk and prefill
+    # executables of every width of the grid (and of no plan), so none compiles
+    compilations.install()
+    calls = [(_episode_prompts(seed=1), 48),  # the same shapes
+             (_episode_prompts(seed=2, cuts=((16, 24, 30), (20, 28), (12,))), 32),  # narrower trunks
+             (_prompts(seed=3, rests=(81, 2, 9, 30, 5, 14)), None)]  # no group: no plan
+    for ps2, width in calls:
+        before = compilations.snapshot()
+        out = tree.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=())
+        assert not compilations.since(before), (width, compilations.since(before))
+        assert out.shared_prefix == PREFIX
+        flat_tokens = sum(map(len, ps2)) - (len(ps2) - 1) * PREFIX  # the common prefix once, every rest whole
+        assert (out.prefill_tokens < flat_tokens) if width else out.prefill_tokens == flat_tokens
+        np.testing.assert_array_equal(out.tokens, plain.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=()).tokens)
 
 
 def test_trunks_on_eight_devices_equal_one(qwen):
@@ -242,3 +252,9 @@ def test_trunks_on_eight_devices_equal_one(qwen):
         out = s.generate(params, ps, max_new_tokens=12, stop_token_ids=(), **kw)
         assert out.prefill_tokens < sum(len(p) for p in ps) // 2
         np.testing.assert_array_equal(out.tokens, ref.tokens)
+    # on the mesh too, a call whose trunks are narrower (or that has no plan) finds every executable compiled
+    compilations.install()
+    for ps2 in (_episode_prompts(seed=2, cuts=((16, 24, 30), (20, 28), (12,))), _prompts(seed=3, rests=(81, 2, 9, 30, 5, 14))):
+        before = compilations.snapshot()
+        s.generate(params, ps2, max_new_tokens=12, stop_token_ids=())
+        assert not compilations.since(before), compilations.since(before)
