@@ -211,11 +211,11 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     a, f, b = tree.generate(m.params, ps, **kw), flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
     assert a.shared_prefix == f.shared_prefix == PREFIX
     # by hand: episode 0's states are 20 / 45 / 70 transcript tokens + 5 / 8 / 11 of their own; its trunk is its
-    # longest prompt but its last token (80), cut at the trunks' width (80 rounded down to the grid: 64), so they
-    # keep 20 / 45 / 64; episode 1 (30 + 5, 52 + 8) keeps 30 / 59 of a 59-token trunk; episode 2's lone prompt
-    # (45) keeps nothing
+    # longest prompt but its last token (80); episode 1 (30 + 5, 52 + 8) would keep 30 / 59 of a 59-token trunk;
+    # episode 2's lone prompt (45) keeps nothing, so its rest needs 45 of the 96 rest slots and the trunks' width is
+    # at most 51, rounded down to the grid: 48. So episode 0 keeps 20 / 45 / 48, episode 1 30 / 48
     assert f.prefill_tokens == PREFIX + (25 + 53 + 81) + (35 + 60) + 45
-    assert a.prefill_tokens == PREFIX + (64 + 59) + (5 + 8 + 17) + (5 + 1) + 45
+    assert a.prefill_tokens == PREFIX + (48 + 48) + (5 + 8 + 33) + (5 + 12) + 45
     assert flat.cache_sizes()["trunk"] == 0
     _assert_same(a, b)
     np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
