@@ -160,6 +160,63 @@ def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: 
     return [pre, dec]
 
 
+def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: int, new: int) -> list[Executable]:
+    """The shared-prefix path of `sampler` at bucket (batch, prompt, new), each executable at its own worst case:
+    the common prefix prefilled once on D data-parallel rows (`Sampler.prefix`, at the longest prefix the bucket can
+    share: the most activations), the prefill of every prompt's rest from that prefix cache (at the shortest shared
+    prefix, `min_shared_prefix`: the widest rests); with `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the
+    widest width of the grid) and the prefill from the trunks' cache (at the narrowest trunk: the widest rests).
+    The start caches are arguments of the executables that read them, so their bytes are in the table; what is not
+    planned: continuous batching's refill (the loop does not use it). [] when the sampler shares nothing here (no
+    minimum, a sliding-window config, or a bucket too short for any prefix)."""
+    import jax
+    import jax.numpy as jnp
+    shortest = sampler.min_shared_prefix
+    if not shortest or cfg.has_sliding_layers or prompt <= shortest:
+        return []
+    D, cache_len = sampler.data_parallel, prompt + new
+    _, _, _, live, key, ctl = sampler_args(cfg, mesh, params, batch, prompt)
+
+    def rows(n: int, width: int | None = None):
+        if width is None:
+            return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding.named_sharding(("batch",), (n,), mesh))
+        s = sharding.named_sharding(("batch", "length"), (n, width), mesh)
+        return (jax.ShapeDtypeStruct((n, width), jnp.int32, sharding=s),) * 2
+
+    def abstract(compiled):
+        return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), compiled.out_info,
+                            compiled.output_shardings)
+
+    def prefill(name, start, start_rows, width):
+        start = dict(cache=start, src=rows(batch), keep=rows(batch))
+        args = (params, *rows(batch, width), live, key, ctl, None, start)
+        ex, _ = compile_one(f"{label} {name}", f"B={batch} rest={width} start rows={start_rows} cache={cache_len}",
+                            lambda: sampler.prefill.lower(*args, new_bucket=new))
+        ex.args = args
+        return ex
+
+    longest = sampling.prefix_to_share(prompt - 1, (), shortest)
+    out = []
+    with sharding.use_mesh(mesh):
+        args = (params, *rows(D, longest))
+        ex, pre_c = compile_one(f"{label} prefix", f"B={D} prefix={longest} cache={cache_len}",
+                                lambda: sampler.prefix.lower(*args, cache_len=cache_len))
+        ex.args = args
+        out.append(ex)
+        out.append(prefill("prefill from prefix", abstract(pre_c), D, prompt - shortest))
+        grid = sampling.trunk_grid(sampler.min_trunk, prompt - shortest) if sampler.trunk_rows else []
+        if grid:
+            G = -(-sampler.trunk_rows // D) * D
+            start = dict(cache=abstract(pre_c), src=rows(G), keep=rows(G))
+            args = (params, *rows(G, grid[-1]), start)
+            ex, trunk_c = compile_one(f"{label} trunk", f"B={G} trunk={grid[-1]} cache={cache_len}",
+                                      lambda: sampler.trunk.lower(*args, cache_len=cache_len))
+            ex.args = args
+            out.append(ex)
+            out.append(prefill("prefill from trunks", abstract(trunk_c), G, prompt - shortest - grid[0]))
+    return out
+
+
 # ----------------------------------------------------------------------------- the plan
 def decode_line(flops_per_token: float, batch: int, est) -> str:
     """The report's decode line (training plan and server plan alike): analytic FLOPs and the roofline tokens/s."""
@@ -294,7 +351,10 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     train.resident = ext_bytes
 
     # the samplers: every distinct bucket the roles use at the largest sampler batch, with θ (θ̄ has the same shapes)
-    sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=loop.sampler_min_batch)
+    # the loop's sampler settings (runner.loop builds it with these): the shared-prefix and trunk executables too
+    sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=loop.sampler_min_batch,
+                               min_shared_prefix=loop.sampler_shared_prefix, trunk_rows=loop.sampler_trunk_rows,
+                               min_trunk=max(1, loop.sampler_shared_prefix))
     budgets = prompts_lib.prompt_budgets(T, rs.max_new_tokens)
     buckets: dict = {}
     for role in CHAT_ROLES:
@@ -313,7 +373,16 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     if copied:
         notes.append(f"the sampler decodes from {cfg.dtype} copies of θ and θ̄ (matmul weights; made once per update, "
                      f"released before the train step): {footprint.fmt_bytes(copies)} per chip while sampling")
-    for e in sampler_exes:
+    shared_exes = [e for (bb, tb, nb), roles in sorted(buckets.items())
+                   for e in compile_shared(f"sampler {'/'.join(roles)}", sampler, cfg, mesh, params, bb, tb, nb)]
+    if shared_exes:
+        notes.append(f"prompts sharing >= {loop.sampler_shared_prefix} tokens (LoopConfig.sampler_shared_prefix) "
+                     f"prefill them once: the prefix"
+                     + (f" and trunk ({loop.sampler_trunk_rows} rows, LoopConfig.sampler_trunk_rows)"
+                        if loop.sampler_trunk_rows else "")
+                     + " executables and the prefills that start from their caches are planned at each one's worst "
+                       "case (compile_shared)")
+    for e in sampler_exes + shared_exes:
         e.resident, e.shared_args = sb["total"] + ext_bytes + copies, p_bytes
         exes.append(e)
     eb = sampler.buckets(min(loop.eval_episodes, loop.sampler_max_batch) or 1, 1, 1)[0]

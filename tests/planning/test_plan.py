@@ -104,6 +104,53 @@ def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
     assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
 
 
+SHARED = ["--gin_param=LoopConfig.sampler_shared_prefix = 16"]
+
+
+@pytest.mark.slow
+def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
+    """The loop's prefix-sharing executables are in the table (the common prefix, the trunks, and the prefills that
+    start from their caches) exactly when the run's gin turns them on, and a trunk cache too large for the chip is
+    refused in one line, although every executable of the unshared path fits."""
+    base = ["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"] + SMALL
+    names = ("prefix |", "prefill from prefix |", "trunk |", "prefill from trunks |")
+    code, out, err = _run_cli(base + SHARED + ["--gin_param=LoopConfig.sampler_trunk_rows = 8"], capsys)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| sampler ")]
+    assert all(any(n in r for r in rows) for n in names), out
+    assert all(r.rstrip().endswith("| yes |") for r in rows)
+    code, out, err = _run_cli(base + SHARED, capsys)  # the common prefix only
+    assert code == 0 and "prefill from prefix |" in out and "trunk" not in out.split("note:")[0], out
+    code, out, err = _run_cli(base + ["--gin_param=LoopConfig.sampler_shared_prefix = 0"], capsys)
+    assert code == 0 and not any(n in out for n in names), out
+    # 2^17 trunk rows of 288 cache slots: ~30 GiB of KV cache per v5e chip (16 GiB of HBM)
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5e-8", "--cpu-devices=8"]
+                              + SMALL + SHARED + ["--gin_param=LoopConfig.sampler_trunk_rows = 131072"], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "does not fit" in err and "trunk (B=131072" in err, err
+
+
+def test_compile_shared_counts_the_prefix_cache_by_hand():
+    """The prefix executable's output is the KV cache of D = 8 rows (one per device) x cache slots, counted by hand
+    from the config; the prefill that starts from it takes it as an argument, so its bytes are in that row's peak."""
+    cfg = _small_cfg(dtype="float32")
+    mesh = sharding.make_mesh(data=8, devices=jax.devices()[:8])
+    params = models.abstract_params(cfg)
+    params = footprint.with_shardings(params, models.param_shardings(cfg, mesh))
+    sampler = sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=16, trunk_rows=8, min_trunk=16)
+    exes = planner.compile_shared("s", sampler, cfg, mesh, params, 8, 64, 16)
+    assert [e.name for e in exes] == ["s prefix", "s prefill from prefix", "s trunk", "s prefill from trunks"]
+    prefix, from_prefix, trunk, from_trunks = exes
+    slots = 64 + 16
+    per_row = 2 * cfg.num_layers * cfg.num_kv_heads * slots * cfg.head_dim * 4 + slots * 4  # k, v (f32), mask
+    assert per_row <= prefix.outputs <= per_row + 64, (prefix.outputs, per_row)  # + the scalar index
+    assert trunk.outputs == prefix.outputs  # the trunks' cache: 8 rows too (trunk_rows is a multiple of D = 8)
+    assert from_prefix.arguments >= prefix.outputs and from_trunks.arguments >= trunk.outputs
+    assert "prefix=60" in prefix.shape and "rest=48" in from_prefix.shape  # longest prefix (63 floored to 60); widest rest
+    assert planner.compile_shared("s", sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=0), cfg, mesh, params,
+                                  8, 64, 16) == []
+
+
 @pytest.mark.slow
 def test_plan_does_not_fit_is_one_line(capsys):
     # 4,096 prompts of ~4k tokens per sampler call: the prefill's attention scores alone are far beyond 16 GB
