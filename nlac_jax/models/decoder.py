@@ -316,6 +316,16 @@ class Attention(nn.Module):
                 attend(qt[:, :, :, lo:lo + blk], kt[:, :, :min(lo + blk, T)], vt[:, :, :min(lo + blk, T)],
                        bias[..., lo:lo + blk, :min(lo + blk, T)])
                 for lo in range(0, T, blk)], axis=3)
+        elif 0 < blk < T:
+            # A continuation after cached slots (decoder.extend: a prompt's rest after a shared prefix or trunk). The
+            # T tokens sit at slots index..index+T-1 <= S-1, so a query block's keys end by slot S-T+lo+blk: each
+            # block attends to that many slots only, and the scores live one block at a time (all at once they were
+            # [B, K, G, T, S] float32: twice the prefill's peak for a 7B tau-bench prompt, `nlac_jax.plan`).
+            S = kt.shape[2]
+            out = jnp.concatenate([
+                attend(qt[:, :, :, lo:lo + blk], kt[:, :, :min(S, S - T + lo + blk)],
+                       vt[:, :, :min(S, S - T + lo + blk)], bias[..., lo:lo + blk, :min(S, S - T + lo + blk)])
+                for lo in range(0, T, blk)], axis=3)
         else:
             out = attend(qt, kt, vt, bias)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)

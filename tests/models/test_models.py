@@ -120,6 +120,48 @@ def test_scan_remat_and_query_blocks_same_logits_and_grads(tmp_path, remat):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
 
 
+def test_extend_in_query_blocks_equals_the_whole_prompt(tmp_path):
+    """decoder.extend (a prompt's rest after a cached prefix) in causal query blocks (attn_query_block=4, a ragged
+    last block; each block reads the cache only up to its last possible slot) gives the last-token logits of the
+    whole prompt prefilled at once, and the same as one block (attn_query_block=0), for left-padded rests after
+    prefixes of two lengths (one per row), scanned and unrolled layers."""
+    make_hf_model("qwen2", str(tmp_path), num_hidden_layers=2)
+    base = models.load_pretrained(str(tmp_path), scan_layers=False)
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(1, base.config.vocab_size, n).tolist() for n in (5, 3)]
+    rests = [rng.integers(1, base.config.vocab_size, n).tolist() for n in (9, 6)]
+    T, P, S = 9, 5, 20
+    ids = np.zeros((2, T), np.int32)
+    mask = np.zeros((2, T), np.int32)
+    pids = np.zeros((2, P), np.int32)
+    pmask = np.zeros((2, P), np.int32)
+    for i, (p, r) in enumerate(zip(prefixes, rests)):  # left-padded, as the sampler lays them out
+        ids[i, T - len(r):], mask[i, T - len(r):] = r, 1
+        pids[i, P - len(p):], pmask[i, P - len(p):] = p, 1
+    for scan in (False, True):
+        outs = {}
+        for blk in (4, 0):
+            cfg = base.config.replace(scan_layers=scan, attn_query_block=blk)
+            params = decoder.layout_params(cfg, base.params)
+            _, cache = decoder.prefill(cfg, params, jnp.asarray(pids), jnp.asarray(pmask), S)
+            outs[blk] = decoder.extend(cfg, params, jnp.asarray(ids), jnp.asarray(mask), cache)
+            for i, (p, r) in enumerate(zip(prefixes, rests)):
+                whole, _ = decoder.prefill(cfg, params, jnp.asarray([p + r], jnp.int32),
+                                           jnp.ones((1, len(p) + len(r)), jnp.int32), S)
+                np.testing.assert_allclose(np.asarray(outs[blk][0][i]), np.asarray(whole[0]), atol=1e-5, rtol=1e-5,
+                                           err_msg=f"scan={scan} blk={blk} row {i}")
+        np.testing.assert_allclose(np.asarray(outs[4][0]), np.asarray(outs[0][0]), atol=1e-5, rtol=1e-5)
+        c4, c0 = outs[4][1], outs[0][1]
+        np.testing.assert_array_equal(c4["mask"], c0["mask"])
+        real = np.asarray(c4["mask"], bool)  # padding slots hold keys of queries that attend to nothing: never read
+        for name in ("k", "v"):
+            for a, b in zip(jax.tree.leaves(c4[name]), jax.tree.leaves(c0[name])):
+                a, b = np.moveaxis(np.asarray(a), -2, -3), np.moveaxis(np.asarray(b), -2, -3)  # [.., B, S, K, D]
+                if scan:
+                    a, b = a.transpose(1, 2, 0, 3, 4), b.transpose(1, 2, 0, 3, 4)  # [B, S, L, K, D]
+                np.testing.assert_allclose(a[real], b[real], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def test_prefill_attends_among_the_prompt_only(tmp_path):
     """decoder.prefill (fresh_cache: attention over the T prompt tokens, causal query blocks) equals the general
     cache path (attention over all S cache slots, the unwritten ones masked): the same last-token logits and the
