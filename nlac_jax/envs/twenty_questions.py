@@ -32,6 +32,11 @@ Object sets (``OBJECT_SETS``, chosen by name or by a path wherever an object lis
 * 'wordnet': 1,823 concrete nouns from WordNet 3.0 (the size of the paper's THINGS set), 5 categories, no
   attributes, with a fixed 1,000 train / 500 test split stored in the file (``data/make_wordnet_objects.py``):
   played with ``ModelOracle``; the scripted oracle answers only category and guess questions;
+* 'unit': the synthetic world of the unit-scale 20 Questions experiment (issue 25): 16 one-word objects, 8
+  attributes assigned from the extended [8,4,4] Hamming code (any two objects differ in >= 4 attributes), each asked
+  as "Is it alive?" or in the compact form "alive?"; a fixed 12 train / 4 test split stored in the file. Its JSON
+  names itself (``"set_name": "unit"``), so its games' system message ends "World: unit." and the prompts can read
+  the world's table (``public_state``);
 * a user file: JSON in our schema (objects may carry 'split': 'train' | 'test' | 'unused'), a JSON list of names /
   {"name", "synonyms"} dicts, or plain text with one object per line (``name | syn1, syn2``). Objects without
   attributes can still be played with ``ModelOracle`` (the scripted oracle then only recognises guesses).
@@ -53,7 +58,8 @@ from nlac_jax.storage import fs
 
 DEFAULT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_objects.json')
 WORDNET_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_wordnet.json')
-OBJECT_SETS = {'scripted': DEFAULT_OBJECTS_PATH, 'wordnet': WORDNET_OBJECTS_PATH}
+UNIT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_unit.json')
+OBJECT_SETS = {'scripted': DEFAULT_OBJECTS_PATH, 'wordnet': WORDNET_OBJECTS_PATH, 'unit': UNIT_OBJECTS_PATH}
 SPLIT_NAMES = ('train', 'test', 'unused')
 MAX_QUESTIONS = 20
 YES, NO, CANT = 'Yes.', 'No.', "I can't answer that."
@@ -197,6 +203,7 @@ class ObjectTable:
     category_phrases: dict = dataclasses.field(default_factory=dict)     # canonical phrase -> category
     source: str = ''
     splits: dict = dataclasses.field(default_factory=dict)  # object name -> 'train' | 'test' | 'unused' (if given)
+    set_name: str = ''  # the JSON's own "set_name" (an OBJECT_SETS key), named in its games' system message
 
     def find(self, name: str) -> ObjectSpec:
         """Object by (normalised) name or synonym; KeyError naming the file when absent."""
@@ -214,7 +221,10 @@ def _load_json_table(data, path: str) -> ObjectTable:
         raise ValueError(f"{path}: expected a JSON list of objects or a dict with key 'objects'")
     attrs = data.get('attributes', {}) or {}
     cats = data.get('categories', {}) or {}
-    table = ObjectTable(objects=[], source=path)
+    table = ObjectTable(objects=[], source=path, set_name=str(data.get('set_name', '') or ''))
+    if table.set_name and os.path.realpath(OBJECT_SETS.get(table.set_name, '')) != os.path.realpath(path):
+        # the prompts reload a table by the name in the system message: the name must lead back to this file
+        raise ValueError(f"{path}: set_name {table.set_name!r} is not the OBJECT_SETS name of this file")
     for attr, phrasings in attrs.items():
         for q in phrasings:
             cq = canonical_question(q)
@@ -315,11 +325,22 @@ class Oracle:
         raise NotImplementedError
 
 
+@gin.configurable(module='nlac_jax.envs')
 class ScriptedOracle(Oracle):
-    """Rule-based oracle over the attribute table; grammar documented in the module docstring."""
+    """Rule-based oracle over the attribute table; grammar documented in the module docstring.
 
-    def __init__(self, table: Optional[ObjectTable] = None):
+    refused_attributes: attributes whose questions get "I can't answer that." (the hidden refusal rule; names of
+      the table's attributes, checked). Empty: every attribute question is answered.
+    """
+
+    def __init__(self, table: Optional[ObjectTable] = None, refused_attributes: Sequence[str] = ()):
         self.table = table if table is not None else load_object_table()
+        known = {a for a in self.table.attribute_questions.values()}
+        unknown = sorted(set(refused_attributes) - known)
+        if unknown:
+            raise ValueError(f"ScriptedOracle.refused_attributes: {unknown} are not attributes of "
+                             f"{self.table.source or 'the object table'} ({sorted(known)})")
+        self.refused_attributes = frozenset(refused_attributes)
         # Normalised names per object, computed once: answering used to re-normalise the question and every
         # name of all ~230 objects per question (seconds per step on a long hostile question).
         self._name_words = [n.split() for o in self.table.objects for n in o.names()]
@@ -329,7 +350,7 @@ class ScriptedOracle(Oracle):
         q = canonical_question(question)
         attr = self.table.attribute_questions.get(q)
         if attr is not None:
-            if obj.attributes is None:
+            if obj.attributes is None or attr in self.refused_attributes:
                 return CANT
             return YES if attr in obj.attributes else NO
         if q.startswith('is it '):
@@ -469,7 +490,11 @@ class TwentyQuestionsEnv(EnvBase):
         """Start a game whose hidden object is ``task.payload`` (an ``ObjectSpec.to_payload`` dict)."""
         self.obj = ObjectSpec.from_payload(task.payload)
         self.asked, self.done = 0, False
-        return [{'role': 'system', 'content': SYSTEM_PROMPT.format(n=self.max_turns)},
+        system = SYSTEM_PROMPT.format(n=self.max_turns)
+        world = getattr(getattr(self.oracle, 'table', None), 'set_name', '')
+        if world:  # public: which world (object table) is played; the prompts read its table by this name
+            system += f" World: {world}."
+        return [{'role': 'system', 'content': system},
                 {'role': 'user', 'content': FIRST_USER}]
 
     def step_begin(self, action_text: str) -> Optional[ModelRequest]:
