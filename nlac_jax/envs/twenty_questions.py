@@ -26,6 +26,10 @@ Oracles (one interface, ``answer(obj, question) -> str``):
   anything else (can't tell, hedges, empty, garbled or hostile text) -> "I can't answer that.". The player only
   ever sees one of the three fixed answers, so a reply that names the object cannot leak it.
 
+Public transcript helpers: ``answer_word`` (a reply as one word: yes / no / can't answer / correct / error) and
+``candidates`` (the objects every (question, answer) pair of a transcript still allows, and the questions asked);
+``twenty_questions_state.public_state`` builds the compact prompts' state line from them.
+
 Object sets (``OBJECT_SETS``, chosen by name or by a path wherever an object list is configured):
 * 'scripted' (default): the shipped JSON, 233 objects, 18 categories, 45 boolean attributes; the scripted oracle
   answers attribute, category and guess questions; task split by a stable name hash (``test_fraction``);
@@ -370,6 +374,53 @@ class ScriptedOracle(Oracle):
         return CANT
 
 
+ANSWER_WORDS = ("yes", "no", "can't answer", "correct", "error")  # every word answer_word can return
+
+
+def answer_word(observation: str) -> str:
+    """The oracle's reply as one word: 'correct' ("Yes! You guessed it."), 'yes', 'no', "can't answer" (the
+    oracle's "I can't answer that."), else 'error' (an error message, "The game is over."). A trailing "You have used
+    all N questions." does not change the word."""
+    t = " ".join(str(observation or "").replace("[USER]", " ").split()).lower().replace("\u2019", "'")
+    if t.startswith("yes!"):
+        return "correct"
+    if t.startswith("yes."):
+        return "yes"
+    if t.startswith("no."):
+        return "no"
+    if t.startswith("i can't answer"):
+        return "can't answer"
+    return "error"
+
+
+def candidates(state_messages: Sequence[dict], table: ObjectTable) -> tuple[list[str], list[str]]:
+    """(names of the objects consistent with the transcript, in table order; the questions asked, in order)."""
+    cand = list(table.objects)
+    asked: list[str] = []
+    last: Optional[str] = None
+    for m in state_messages:
+        role = m.get("role")
+        if role == "assistant":
+            last = str(m.get("content", ""))
+            asked.append(last.strip())
+        elif role == "user" and last is not None:
+            word = answer_word(str(m.get("content", "")))
+            q = canonical_question(last)
+            attr = table.attribute_questions.get(q)
+            cat = table.category_phrases.get(q[len("is it "):]) if q.startswith("is it ") else None
+            if word in ("yes", "no") and attr is not None:
+                cand = [o for o in cand if o.attributes is not None and (attr in o.attributes) == (word == "yes")]
+            elif word in ("yes", "no") and cat is not None:
+                cand = [o for o in cand if o.category and (o.category == cat) == (word == "yes")]
+            elif word in ("no", "correct") and attr is None and cat is None:
+                phrase = guessed_phrase(last)
+                if phrase is not None:
+                    named = [o for o in cand if any(_phrase_equal(phrase, n) for n in o.names())]
+                    cand = named if word == "correct" else [o for o in cand if o not in named]
+            last = None
+    return [o.name for o in cand], asked
+
+
 ORACLE_PROMPT = (
     "You are the answerer in a game of 20 Questions. The hidden object is: {name}.\n"
     "The player asks one question about the hidden object. Answer it truthfully for a typical {name}, with exactly "
@@ -536,6 +587,59 @@ class TwentyQuestionsEnv(EnvBase):
         info = self._info
         info['answer'] = self.oracle.parse_reply(reply)
         return self._finish(info['answer'], info)
+
+    ACTION_CATEGORIES = ("invalid", "repeat", "wasted", "outside", "uninformative", "informative")
+
+    def action_category(self, state: Sequence[dict], action: str) -> Optional[str]:
+        """One of :attr:`ACTION_CATEGORIES` for ``action`` in ``state`` (held-out diagnostics,
+        ``evaluation.action_breakdown``; scripted oracles only, else None): "invalid" (an error, or a question the
+        oracle's grammar cannot answer), "repeat" (the same attribute, category or object asked before), "wasted" (an
+        attribute the oracle refuses: its hidden rule), "outside" (a guess of an object the answers already exclude),
+        "uninformative" (an attribute or category question every possible object answers alike), else
+        "informative" (a correct guess included). The first that applies, in that order."""
+        table = getattr(self.oracle, 'table', None)
+        if not isinstance(self.oracle, ScriptedOracle) or table is None:
+            return None
+        if self.validate_action(action) is not None:
+            return "invalid"
+        key = self._question_key(action, table)
+        if key is None:
+            return "invalid"
+        asked = {self._question_key(m.get('content', ''), table) for m in state if m.get('role') == 'assistant'}
+        if key in asked:
+            return "repeat"
+        kind, what = key
+        if kind == 'attribute' and what in self.oracle.refused_attributes:
+            return "wasted"
+        names, _ = candidates(state, table)
+        if kind == 'guess':
+            return "informative" if what in names else "outside"
+        objs = [table.find(n) for n in names]
+        if kind == 'attribute':
+            answers = {o.attributes is not None and what in o.attributes for o in objs}
+        else:
+            answers = {o.category == what for o in objs}
+        return "informative" if len(answers) > 1 else "uninformative"
+
+    def is_action_optimal(self, state: Sequence[dict], action: str) -> Optional[bool]:
+        """Whether ``action`` is "informative" (:meth:`action_category`); None without a scripted oracle."""
+        cat = self.action_category(state, action)
+        return None if cat is None else cat == "informative"
+
+    @staticmethod
+    def _question_key(question: str, table: ObjectTable) -> Optional[tuple]:
+        """('attribute', a) / ('category', c) / ('guess', object name) as the scripted oracle reads the question;
+        None when it cannot answer it at all."""
+        q = canonical_question(question)
+        if q in table.attribute_questions:
+            return ('attribute', table.attribute_questions[q])
+        if q.startswith('is it ') and q[len('is it '):] in table.category_phrases:
+            return ('category', table.category_phrases[q[len('is it '):]])
+        phrase = guessed_phrase(question)
+        if phrase is None:
+            return None
+        named = [o.name for o in table.objects if any(_phrase_equal(phrase, n) for n in o.names())]
+        return ('guess', named[0]) if named else None
 
     def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:

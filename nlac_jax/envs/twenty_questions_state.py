@@ -4,8 +4,9 @@ A game's public state is its transcript plus the world (object table) it is play
 system message of a game in a named world says so ("World: unit."), and the table is the game's rulebook, the same
 for every role and the policy (they all read it through the same rendered line). From those two:
 
-* ``answer_word``: the oracle's reply as one word: yes / no / can't answer / correct / error;
-* ``candidates``: the objects consistent with every (question, answer) pair of the transcript, and the questions
+* ``answer_word`` (defined in ``twenty_questions``): the oracle's reply as one word: yes / no / can't answer /
+  correct / error;
+* ``candidates`` (defined in ``twenty_questions``, whose action categories read it): the objects consistent with every (question, answer) pair of the transcript, and the questions
   asked. An attribute or category question answered yes / no keeps the objects with / without it; "I can't answer
   that." (an unanswerable or refused question) keeps everyone; a guess answered "No." drops the objects it names.
   The classification of a question mirrors ``ScriptedOracle.answer`` (attribute, then category, then guess);
@@ -21,31 +22,15 @@ import functools
 import re
 from typing import Optional, Sequence
 
-from nlac_jax.envs.twenty_questions import (MAX_QUESTIONS, ObjectTable, _phrase_equal, canonical_question,
-                                            guessed_phrase, load_object_table)
+# answer_word and candidates live in the env module (its action categories read them); exported here too
+from nlac_jax.envs.twenty_questions import (ANSWER_WORDS, MAX_QUESTIONS, ObjectTable, answer_word, candidates,
+                                            load_object_table)
 
 __all__ = ["ANSWER_WORDS", "answer_word", "world_of", "table_of_world", "candidates", "public_state"]
 
-ANSWER_WORDS = ("yes", "no", "can't answer", "correct", "error")  # every word answer_word can return
 _WORLD_RE = re.compile(r"\bWorld: ([A-Za-z0-9_\-]+)\.")
 _MAX_RE = re.compile(r"You have at most (\d+) questions")
 SHORT_ACTION_CHARS = 24  # a history item shows at most this much of an action (a garbled one is long)
-
-
-def answer_word(observation: str) -> str:
-    """The oracle's reply as one word: 'correct' ("Yes! You guessed it."), 'yes', 'no', "can't answer" (the
-    oracle's "I can't answer that."), else 'error' (an error message, "The game is over."). A trailing "You have used
-    all N questions." does not change the word."""
-    t = " ".join(str(observation or "").replace("[USER]", " ").split()).lower().replace("\u2019", "'")
-    if t.startswith("yes!"):
-        return "correct"
-    if t.startswith("yes."):
-        return "yes"
-    if t.startswith("no."):
-        return "no"
-    if t.startswith("i can't answer"):
-        return "can't answer"
-    return "error"
 
 
 def world_of(state_messages: Sequence[dict]) -> str:
@@ -69,34 +54,6 @@ def table_of_world(world: str) -> ObjectTable:
 def _short(action: str) -> str:
     text = " ".join(str(action).split())
     return text[:SHORT_ACTION_CHARS] or "(empty)"
-
-
-def candidates(state_messages: Sequence[dict], table: ObjectTable) -> tuple[list[str], list[str]]:
-    """(names of the objects consistent with the transcript, in table order; the questions asked, in order)."""
-    cand = list(table.objects)
-    asked: list[str] = []
-    last: Optional[str] = None
-    for m in state_messages:
-        role = m.get("role")
-        if role == "assistant":
-            last = str(m.get("content", ""))
-            asked.append(last.strip())
-        elif role == "user" and last is not None:
-            word = answer_word(str(m.get("content", "")))
-            q = canonical_question(last)
-            attr = table.attribute_questions.get(q)
-            cat = table.category_phrases.get(q[len("is it "):]) if q.startswith("is it ") else None
-            if word in ("yes", "no") and attr is not None:
-                cand = [o for o in cand if o.attributes is not None and (attr in o.attributes) == (word == "yes")]
-            elif word in ("yes", "no") and cat is not None:
-                cand = [o for o in cand if o.category and (o.category == cat) == (word == "yes")]
-            elif word in ("no", "correct") and attr is None and cat is None:
-                phrase = guessed_phrase(last)
-                if phrase is not None:
-                    named = [o for o in cand if any(_phrase_equal(phrase, n) for n in o.names())]
-                    cand = named if word == "correct" else [o for o in cand if o not in named]
-            last = None
-    return [o.name for o in cand], asked
 
 
 def public_state(state_messages: Sequence[dict], table: Optional[ObjectTable] = None) -> dict:

@@ -127,3 +127,29 @@ def test_candidates_against_the_oracle(table):
             for c in table.objects:  # a candidate iff the oracle would have answered it the same way
                 same = all(oracle.answer(c, q) == oracle.answer(obj, q) for q in asked)
                 assert (c.name in names) == same, (obj.name, asked, c.name)
+
+
+def test_action_categories_by_hand(table):
+    """owl (alive, round, wooden, loud) hidden, metal refused. After "alive? yes" and "cat? no" the possible objects
+    are the alive ones: dog owl bee pig cup key pen bell."""
+    env = TwentyQuestionsEnv(ScriptedOracle(table, refused_attributes=("metal",)), max_questions=7)
+
+    def play(questions):
+        state = env.reset(_task(table, "owl"))
+        for q in questions:
+            state = state + [{"role": "assistant", "content": q}, {"role": "user", "content": env.step(q).observation}]
+        return state
+    state = play(["alive?", "cat?"])
+    cat = env.action_category
+    assert cat(state, "Is it alive?") == "repeat" and cat(state, "cat?") == "repeat"
+    assert cat(state, "metal?") == "wasted"
+    assert cat(state, "hmm?") == "invalid" and cat(state, "") == "invalid"
+    assert cat(state, "fox?") == "outside"  # fox is not alive
+    assert cat(state, "dog?") == "informative" and cat(state, "owl?") == "informative"
+    assert cat(state, "loud?") == "informative"  # dog no, owl yes
+    # alive, loud and round all "yes": owl and bell remain, and both are wooden
+    state = play(["alive?", "loud?", "round?"])
+    assert candidates(state, table)[0] == ["owl", "bell"]
+    assert cat(state, "wooden?") == "uninformative" and cat(state, "soft?") == "informative"
+    assert env.is_action_optimal(state, "metal?") is False and env.is_action_optimal(state, "bell?") is True
+    assert env.is_action_optimal(state, "wooden?") is False
