@@ -225,3 +225,17 @@ def test_skill_probe_scores_a_perfect_and_a_blind_critic(source, ps):
     blind = ScriptedRoleSampler({}, default="Outcome: failure; Return: -7\nVerdict: optimal")
     got = F.skill_probe(blind, ps, seed=7, per_role=16)
     assert got["skill/evaluator_guess"] == 0.0 and got["skill/backup_reply"] == 0.0 and got["skill/refiner"] == 0.0
+
+
+def test_targets_fit_the_experiments_generation_budgets(examples):
+    """gin/experiments/unit_20q.gin's RoleSampling.max_new_tokens hold every corpus target (at the unit model's
+    tokenizer, plus the turn-end token): a longer target would be cut off when the model generates it."""
+    from nlac_jax.testing import tiny
+    tok = tiny.make_tiny_tokenizer(vocab_size=512)
+    budget = {"policy": 6, "successor": 40, "backup": 40, "evaluator": 48, "refiner": 6}
+    gin_text = open(__file__.rsplit("/tests/", 1)[0] + "/gin/experiments/unit_20q.gin").read()
+    assert "nlac.RoleSampling.max_new_tokens = " + repr(budget) in gin_text
+    longest = {}
+    for e in examples:
+        longest[e.role] = max(longest.get(e.role, 0), len(tok.encode(e.target_text)) + 1)
+    assert all(longest[r] <= budget[r] for r in budget), longest
