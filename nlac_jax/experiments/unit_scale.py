@@ -435,8 +435,9 @@ def run_experiment(workdir: str) -> dict:
     tasks = run.eval_tasks
     if xcfg.corpus == "twenty_questions_forecast":
         c, r, max_questions = twenty_questions_rules(run)
+        mix = tuple(gin.get_bindings(corpus_20q.twenty_questions_forecast_corpus).get("mix", corpus_20q.DEFAULT_MIX))
         reference = corpus_20q.reference_success_rates(sorted({t.id: t for t in tasks}.values(), key=lambda t: t.id),
-                                                       r, c, seed=0, max_questions=max_questions)
+                                                       r, c, seed=0, mix=mix, max_questions=max_questions)
     elif xcfg.corpus == "toy_forecast":
         reference = corpus_forecast.reference_success_rates(
             xcfg.n, sorted({t.id: t for t in tasks}.values(), key=lambda t: t.id), run.judge_env.waste_every, seed=0,
