@@ -26,12 +26,21 @@ Oracles (one interface, ``answer(obj, question) -> str``):
   anything else (can't tell, hedges, empty, garbled or hostile text) -> "I can't answer that.". The player only
   ever sees one of the three fixed answers, so a reply that names the object cannot leak it.
 
+Public transcript helpers: ``answer_word`` (a reply as one word: yes / no / can't answer / correct / error) and
+``candidates`` (the objects every (question, answer) pair of a transcript still allows, and the questions asked);
+``twenty_questions_state.public_state`` builds the compact prompts' state line from them.
+
 Object sets (``OBJECT_SETS``, chosen by name or by a path wherever an object list is configured):
 * 'scripted' (default): the shipped JSON, 233 objects, 18 categories, 45 boolean attributes; the scripted oracle
   answers attribute, category and guess questions; task split by a stable name hash (``test_fraction``);
 * 'wordnet': 1,823 concrete nouns from WordNet 3.0 (the size of the paper's THINGS set), 5 categories, no
   attributes, with a fixed 1,000 train / 500 test split stored in the file (``data/make_wordnet_objects.py``):
   played with ``ModelOracle``; the scripted oracle answers only category and guess questions;
+* 'unit': the synthetic world of the unit-scale 20 Questions experiment (issue 25): 16 one-word objects, 8
+  attributes assigned from the extended [8,4,4] Hamming code (any two objects differ in >= 4 attributes), each asked
+  as "Is it alive?" or in the compact form "alive?"; a fixed 12 train / 4 test split stored in the file. Its JSON
+  names itself (``"set_name": "unit"``), so its games' system message ends "World: unit." and the prompts can read
+  the world's table (``public_state``);
 * a user file: JSON in our schema (objects may carry 'split': 'train' | 'test' | 'unused'), a JSON list of names /
   {"name", "synonyms"} dicts, or plain text with one object per line (``name | syn1, syn2``). Objects without
   attributes can still be played with ``ModelOracle`` (the scripted oracle then only recognises guesses).
@@ -53,7 +62,8 @@ from nlac_jax.storage import fs
 
 DEFAULT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_objects.json')
 WORDNET_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_wordnet.json')
-OBJECT_SETS = {'scripted': DEFAULT_OBJECTS_PATH, 'wordnet': WORDNET_OBJECTS_PATH}
+UNIT_OBJECTS_PATH = os.path.join(os.path.dirname(__file__), 'data', 'twenty_questions_unit.json')
+OBJECT_SETS = {'scripted': DEFAULT_OBJECTS_PATH, 'wordnet': WORDNET_OBJECTS_PATH, 'unit': UNIT_OBJECTS_PATH}
 SPLIT_NAMES = ('train', 'test', 'unused')
 MAX_QUESTIONS = 20
 YES, NO, CANT = 'Yes.', 'No.', "I can't answer that."
@@ -197,6 +207,7 @@ class ObjectTable:
     category_phrases: dict = dataclasses.field(default_factory=dict)     # canonical phrase -> category
     source: str = ''
     splits: dict = dataclasses.field(default_factory=dict)  # object name -> 'train' | 'test' | 'unused' (if given)
+    set_name: str = ''  # the JSON's own "set_name" (an OBJECT_SETS key), named in its games' system message
 
     def find(self, name: str) -> ObjectSpec:
         """Object by (normalised) name or synonym; KeyError naming the file when absent."""
@@ -214,7 +225,10 @@ def _load_json_table(data, path: str) -> ObjectTable:
         raise ValueError(f"{path}: expected a JSON list of objects or a dict with key 'objects'")
     attrs = data.get('attributes', {}) or {}
     cats = data.get('categories', {}) or {}
-    table = ObjectTable(objects=[], source=path)
+    table = ObjectTable(objects=[], source=path, set_name=str(data.get('set_name', '') or ''))
+    if table.set_name and os.path.realpath(OBJECT_SETS.get(table.set_name, '')) != os.path.realpath(path):
+        # the prompts reload a table by the name in the system message: the name must lead back to this file
+        raise ValueError(f"{path}: set_name {table.set_name!r} is not the OBJECT_SETS name of this file")
     for attr, phrasings in attrs.items():
         for q in phrasings:
             cq = canonical_question(q)
@@ -315,11 +329,22 @@ class Oracle:
         raise NotImplementedError
 
 
+@gin.configurable(module='nlac_jax.envs')
 class ScriptedOracle(Oracle):
-    """Rule-based oracle over the attribute table; grammar documented in the module docstring."""
+    """Rule-based oracle over the attribute table; grammar documented in the module docstring.
 
-    def __init__(self, table: Optional[ObjectTable] = None):
+    refused_attributes: attributes whose questions get "I can't answer that." (the hidden refusal rule; names of
+      the table's attributes, checked). Empty: every attribute question is answered.
+    """
+
+    def __init__(self, table: Optional[ObjectTable] = None, refused_attributes: Sequence[str] = ()):
         self.table = table if table is not None else load_object_table()
+        known = {a for a in self.table.attribute_questions.values()}
+        unknown = sorted(set(refused_attributes) - known)
+        if unknown:
+            raise ValueError(f"ScriptedOracle.refused_attributes: {unknown} are not attributes of "
+                             f"{self.table.source or 'the object table'} ({sorted(known)})")
+        self.refused_attributes = frozenset(refused_attributes)
         # Normalised names per object, computed once: answering used to re-normalise the question and every
         # name of all ~230 objects per question (seconds per step on a long hostile question).
         self._name_words = [n.split() for o in self.table.objects for n in o.names()]
@@ -329,7 +354,7 @@ class ScriptedOracle(Oracle):
         q = canonical_question(question)
         attr = self.table.attribute_questions.get(q)
         if attr is not None:
-            if obj.attributes is None:
+            if obj.attributes is None or attr in self.refused_attributes:
                 return CANT
             return YES if attr in obj.attributes else NO
         if q.startswith('is it '):
@@ -347,6 +372,53 @@ class ScriptedOracle(Oracle):
         if any(_words_equal(words, n) for n in self._name_words):
             return NO
         return CANT
+
+
+ANSWER_WORDS = ("yes", "no", "can't answer", "correct", "error")  # every word answer_word can return
+
+
+def answer_word(observation: str) -> str:
+    """The oracle's reply as one word: 'correct' ("Yes! You guessed it."), 'yes', 'no', "can't answer" (the
+    oracle's "I can't answer that."), else 'error' (an error message, "The game is over."). A trailing "You have used
+    all N questions." does not change the word."""
+    t = " ".join(str(observation or "").replace("[USER]", " ").split()).lower().replace("\u2019", "'")
+    if t.startswith("yes!"):
+        return "correct"
+    if t.startswith("yes."):
+        return "yes"
+    if t.startswith("no."):
+        return "no"
+    if t.startswith("i can't answer"):
+        return "can't answer"
+    return "error"
+
+
+def candidates(state_messages: Sequence[dict], table: ObjectTable) -> tuple[list[str], list[str]]:
+    """(names of the objects consistent with the transcript, in table order; the questions asked, in order)."""
+    cand = list(table.objects)
+    asked: list[str] = []
+    last: Optional[str] = None
+    for m in state_messages:
+        role = m.get("role")
+        if role == "assistant":
+            last = str(m.get("content", ""))
+            asked.append(last.strip())
+        elif role == "user" and last is not None:
+            word = answer_word(str(m.get("content", "")))
+            q = canonical_question(last)
+            attr = table.attribute_questions.get(q)
+            cat = table.category_phrases.get(q[len("is it "):]) if q.startswith("is it ") else None
+            if word in ("yes", "no") and attr is not None:
+                cand = [o for o in cand if o.attributes is not None and (attr in o.attributes) == (word == "yes")]
+            elif word in ("yes", "no") and cat is not None:
+                cand = [o for o in cand if o.category and (o.category == cat) == (word == "yes")]
+            elif word in ("no", "correct") and attr is None and cat is None:
+                phrase = guessed_phrase(last)
+                if phrase is not None:
+                    named = [o for o in cand if any(_phrase_equal(phrase, n) for n in o.names())]
+                    cand = named if word == "correct" else [o for o in cand if o not in named]
+            last = None
+    return [o.name for o in cand], asked
 
 
 ORACLE_PROMPT = (
@@ -469,7 +541,11 @@ class TwentyQuestionsEnv(EnvBase):
         """Start a game whose hidden object is ``task.payload`` (an ``ObjectSpec.to_payload`` dict)."""
         self.obj = ObjectSpec.from_payload(task.payload)
         self.asked, self.done = 0, False
-        return [{'role': 'system', 'content': SYSTEM_PROMPT.format(n=self.max_turns)},
+        system = SYSTEM_PROMPT.format(n=self.max_turns)
+        world = getattr(getattr(self.oracle, 'table', None), 'set_name', '')
+        if world:  # public: which world (object table) is played; the prompts read its table by this name
+            system += f" World: {world}."
+        return [{'role': 'system', 'content': system},
                 {'role': 'user', 'content': FIRST_USER}]
 
     def step_begin(self, action_text: str) -> Optional[ModelRequest]:
@@ -511,6 +587,59 @@ class TwentyQuestionsEnv(EnvBase):
         info = self._info
         info['answer'] = self.oracle.parse_reply(reply)
         return self._finish(info['answer'], info)
+
+    ACTION_CATEGORIES = ("invalid", "repeat", "wasted", "outside", "uninformative", "informative")
+
+    def action_category(self, state: Sequence[dict], action: str) -> Optional[str]:
+        """One of :attr:`ACTION_CATEGORIES` for ``action`` in ``state`` (held-out diagnostics,
+        ``evaluation.action_breakdown``; scripted oracles only, else None): "invalid" (an error, or a question the
+        oracle's grammar cannot answer), "repeat" (the same attribute, category or object asked before), "wasted" (an
+        attribute the oracle refuses: its hidden rule), "outside" (a guess of an object the answers already exclude),
+        "uninformative" (an attribute or category question every possible object answers alike), else
+        "informative" (a correct guess included). The first that applies, in that order."""
+        table = getattr(self.oracle, 'table', None)
+        if not isinstance(self.oracle, ScriptedOracle) or table is None:
+            return None
+        if self.validate_action(action) is not None:
+            return "invalid"
+        key = self._question_key(action, table)
+        if key is None:
+            return "invalid"
+        asked = {self._question_key(m.get('content', ''), table) for m in state if m.get('role') == 'assistant'}
+        if key in asked:
+            return "repeat"
+        kind, what = key
+        if kind == 'attribute' and what in self.oracle.refused_attributes:
+            return "wasted"
+        names, _ = candidates(state, table)
+        if kind == 'guess':
+            return "informative" if what in names else "outside"
+        objs = [table.find(n) for n in names]
+        if kind == 'attribute':
+            answers = {o.attributes is not None and what in o.attributes for o in objs}
+        else:
+            answers = {o.category == what for o in objs}
+        return "informative" if len(answers) > 1 else "uninformative"
+
+    def is_action_optimal(self, state: Sequence[dict], action: str) -> Optional[bool]:
+        """Whether ``action`` is "informative" (:meth:`action_category`); None without a scripted oracle."""
+        cat = self.action_category(state, action)
+        return None if cat is None else cat == "informative"
+
+    @staticmethod
+    def _question_key(question: str, table: ObjectTable) -> Optional[tuple]:
+        """('attribute', a) / ('category', c) / ('guess', object name) as the scripted oracle reads the question;
+        None when it cannot answer it at all."""
+        q = canonical_question(question)
+        if q in table.attribute_questions:
+            return ('attribute', table.attribute_questions[q])
+        if q.startswith('is it ') and q[len('is it '):] in table.category_phrases:
+            return ('category', table.category_phrases[q[len('is it '):]])
+        phrase = guessed_phrase(question)
+        if phrase is None:
+            return None
+        named = [o.name for o in table.objects if any(_phrase_equal(phrase, n) for n in o.names())]
+        return ('guess', named[0]) if named else None
 
     def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:

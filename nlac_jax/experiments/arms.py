@@ -352,6 +352,7 @@ FUTURE_RENDERERS = {
     "toy_compact": ("nlac_jax.experiments.corpus", "future_summary"),
     "toy_forecast": ("nlac_jax.experiments.corpus_forecast", "forecast"),
     "twenty_questions": ("nlac_jax.experiments.corpus_twenty_questions", "future_summary"),
+    "twenty_questions_forecast": ("nlac_jax.experiments.corpus_twenty_questions_forecast", "forecast"),
 }
 
 

@@ -8,9 +8,11 @@ import gin
 
 from nlac_jax.experiments.arms import ARMS
 from nlac_jax.experiments import corpus_forecast  # noqa: F401  (registers experiments.forecast_corpus)
+# registers experiments.twenty_questions_forecast_corpus
+from nlac_jax.experiments import corpus_twenty_questions_forecast  # noqa: F401
 from nlac_jax.experiments.corpus import CORPUS_ROLES, DEFAULT_MIX
 
-CORPORA = ("toy", "toy_forecast")
+CORPORA = ("toy", "toy_forecast", "twenty_questions_forecast")
 
 
 @gin.configurable(module="experiments")
@@ -26,7 +28,9 @@ class UnitScaleConfig:
     corpus: which warm-start corpus: 'toy' (`corpus.toy_corpus`, the oracle-critic reference: the evaluator's prompt
       carries the optimality calculator) or 'toy_forecast' (`corpus_forecast.forecast_corpus`, the learned-critic
       experiment: skills from skill games, the corpus game's wrong knowledge; its knobs are gin bindings of
-      `experiments.forecast_corpus`).
+      `experiments.forecast_corpus`), or 'twenty_questions_forecast' (`corpus_twenty_questions_forecast.
+      twenty_questions_forecast_corpus`, the same experiment in 20 Questions' 'unit' world, issue 25: the corpus game
+      refuses C, the RL game R; knobs: gin bindings of `experiments.twenty_questions_forecast_corpus`; `n` unused).
     corpus_*: the corpus's episodes and seed (train tasks only); n is the game's N.
     warm_start_per_seed: one warm start per seed, in WORKDIR/warm_start_seed_<s>, from corpus seed corpus_seed + s
       and warm-start seed warm_seed + s (every seed then measures a different warm start as well); False: one warm

@@ -30,6 +30,7 @@ import numpy as np
 from nlac_jax import training
 from nlac_jax.cli import common as cli, setup
 from nlac_jax.experiments import arms, corpus, corpus_forecast, warm_start
+from nlac_jax.experiments import corpus_twenty_questions_forecast as corpus_20q
 from nlac_jax.experiments.arms import ARMS
 from nlac_jax.experiments.config import UnitScaleConfig
 from nlac_jax.models import hf_io
@@ -59,6 +60,8 @@ def corpus_examples(xcfg, corpus_seed: int) -> tuple[list, dict]:
     """(examples, statistics) of the configured corpus (`UnitScaleConfig.corpus`) for ``corpus_seed``."""
     if xcfg.corpus == "toy_forecast":
         examples = corpus_forecast.forecast_corpus(xcfg.n, xcfg.corpus_episodes, corpus_seed)
+    elif xcfg.corpus == "twenty_questions_forecast":
+        examples = corpus_20q.twenty_questions_forecast_corpus(xcfg.corpus_episodes, corpus_seed)
     else:
         examples = corpus.toy_corpus(xcfg.n, xcfg.corpus_episodes, corpus_seed, mix=xcfg.corpus_mix)
     return examples, corpus.corpus_stats(examples)
@@ -132,9 +135,11 @@ def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> Non
 
 def rehearsal_pool(xcfg, seed: int) -> list:
     """The skill examples every trained arm of seed ``seed`` rehearses (`UnitScaleConfig.rehearsal_examples`): the
-    backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste sets, no rule)."""
-    if xcfg.corpus != "toy_forecast":
-        raise ValueError("UnitScaleConfig.rehearsal_examples needs corpus = 'toy_forecast' (its skill games)")
+    backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste or refusal sets,
+    no rule)."""
+    if xcfg.corpus not in ("toy_forecast", "twenty_questions_forecast"):
+        raise ValueError("UnitScaleConfig.rehearsal_examples needs corpus = 'toy_forecast' or "
+                         "'twenty_questions_forecast' (their skill games)")
     offset = seed if xcfg.warm_start_per_seed else 0
     examples, _ = corpus_examples(xcfg, xcfg.corpus_seed + offset)
     pool = [e for e in examples if e.role in corpus_forecast.SKILL_ROLES and e.meta.get("game") == "skill"]
@@ -145,7 +150,10 @@ def rehearsal_pool(xcfg, seed: int) -> list:
 def probe(run, xcfg) -> dict:
     """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`: what the successor knows of
     the waste rule) and skill probe (`corpus_forecast.skill_probe`: whether the backup, evaluator and refiner copy
-    and read what they must); {} for other corpora."""
+    and read what they must); for the 20 Questions corpus `corpus_twenty_questions_forecast.refusal_probe` and its
+    `skill_probe` (the same metric names); {} for other corpora."""
+    if xcfg.corpus == "twenty_questions_forecast":
+        return probe_twenty_questions(run)
     if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "has_waste", False):
         return {}
     env = run.judge_env
@@ -153,6 +161,36 @@ def probe(run, xcfg) -> dict:
                                       wasted_numbers=sorted(env.wasted_numbers))
     p_out = float(gin.get_bindings(corpus_forecast.forecast_corpus).get("p_out_of_range", 0.0))
     out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
+    return out
+
+
+def twenty_questions_rules(run) -> tuple[tuple, tuple, int]:
+    """(C, R, max questions) of the 20 Questions learned-critic experiment: the corpus game's and the RL game's
+    refused attributes as the corpus binds them (paired in order: the critique's partners), and the RL game's
+    question limit. ValueError when the RL game's oracle (`ScriptedOracle.refused_attributes`) refuses another set
+    than R (the critique's partners would then not be the RL game's rule), or when the corpus's games allow another
+    number of questions than the RL game (the probes' opening state would not be one the corpus taught)."""
+    b = gin.get_bindings(corpus_20q.twenty_questions_forecast_corpus)
+    c = tuple(b.get("corpus_refused", corpus_20q.CORPUS_REFUSED))
+    r = tuple(b.get("rl_refused", corpus_20q.RL_REFUSED))
+    refused = set(getattr(getattr(run.judge_env, "oracle", None), "refused_attributes", ()))
+    if refused != set(r):
+        raise ValueError(f"the RL game refuses {sorted(refused)} (ScriptedOracle.refused_attributes) but the corpus's "
+                         f"rl_refused is {list(r)}: bind both to the same attributes")
+    max_questions = int(b.get("max_questions", corpus_20q.MAX_QUESTIONS))
+    if max_questions != int(run.judge_env.max_turns):
+        raise ValueError(f"the RL game allows {run.judge_env.max_turns} questions (make_env_factory.max_turns) but the "
+                         f"corpus's games {max_questions} (twenty_questions_forecast_corpus.max_questions)")
+    return c, r, max_questions
+
+
+def probe_twenty_questions(run) -> dict:
+    """The 20 Questions learned-critic probes: what the successor knows of the refusal rule
+    (`corpus_twenty_questions_forecast.refusal_probe`) and what the critic roles can do (its `skill_probe`)."""
+    c, r, max_questions = twenty_questions_rules(run)
+    out = corpus_20q.refusal_probe(run.roles, run.prompts, r, c, max_questions)
+    out.update(corpus_20q.skill_probe(run.roles, run.prompts, corpus_refused=c, rl_refused=r,
+                                      max_questions=max_questions))
     return out
 
 
@@ -395,7 +433,12 @@ def run_experiment(workdir: str) -> dict:
             _progress(workdir, f"{arm} seed {seed}: held-out success {_final(rows, 'eval/success_rate'):.3f} "
                                f"(warm start {initial.get('eval/success_rate', math.nan):.3f}), {secs:.0f} s")
     tasks = run.eval_tasks
-    if xcfg.corpus == "toy_forecast":
+    if xcfg.corpus == "twenty_questions_forecast":
+        c, r, max_questions = twenty_questions_rules(run)
+        mix = tuple(gin.get_bindings(corpus_20q.twenty_questions_forecast_corpus).get("mix", corpus_20q.DEFAULT_MIX))
+        reference = corpus_20q.reference_success_rates(sorted({t.id: t for t in tasks}.values(), key=lambda t: t.id),
+                                                       r, c, seed=0, mix=mix, max_questions=max_questions)
+    elif xcfg.corpus == "toy_forecast":
         reference = corpus_forecast.reference_success_rates(
             xcfg.n, sorted({t.id: t for t in tasks}.values(), key=lambda t: t.id), run.judge_env.waste_every, seed=0,
             wasted_numbers=sorted(run.judge_env.wasted_numbers), corpus_waste_every=corpus_rule())

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 import gin
 import jinja2
 
+from nlac_jax.envs.twenty_questions_state import public_state as twenty_questions_public_state
 from nlac_jax.nlac.verdict import (format_return, leading_outcome_line, outcome_line, parse_outcome,
                                   replace_outcome_line)
 from nlac_jax.rl.roles import CHAT_ROLES
@@ -85,6 +86,11 @@ _JINJA = jinja2.Environment(
     autoescape=False,
 )
 _JINJA.filters["num"] = format_return
+# The compact 20 Questions state (templates/twenty_questions_forecast/_state.txt): history items, the objects still
+# possible and the questions left, computed from the transcript and the world's object table. Public information
+# (the table is the game's world, named in the system message), rendered by one line that every role and the policy
+# read. A function of envs/ (layer 4) registered here (nlac/, layer 6, may import it): Jinja cannot load a table.
+_JINJA.globals["twenty_questions_state"] = twenty_questions_public_state
 
 # ------------------------------------------------------------------------------------------ transcripts
 

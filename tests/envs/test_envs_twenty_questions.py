@@ -287,7 +287,7 @@ def test_wordnet_object_set_and_its_fixed_split(tmp_path):
     bad.write_text(json.dumps({'objects': [{'name': 'anvil', 'split': 'dev'}]}))
     with pytest.raises(ValueError, match=r"split.json: object 'anvil' has split 'dev'"):
         load_object_table(str(bad))
-    with pytest.raises(FileNotFoundError, match='wordnett .*scripted, wordnet'):
+    with pytest.raises(FileNotFoundError, match='wordnett .*scripted, unit, wordnet'):
         load_object_table('wordnett')
 
 

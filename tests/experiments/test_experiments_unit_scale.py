@@ -231,6 +231,27 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
     assert "| wasted guesses |" in table
 
 
+@pytest.mark.slow
+def test_twenty_questions_smoke_configuration_runs(tmp_path):
+    """gin/experiments/unit_20q_smoke.gin end to end (issue 25): the 20 Questions corpus's warm start, the RL game's
+    refusal rule in the run's config, the refusal and skill probes in every evaluated row, the scripted references
+    in the table. Plumbing only."""
+    import json
+    workdir = str(tmp_path / "q20")
+    _run_unit_scale("gin/experiments/unit_20q_smoke.gin", workdir, timeout=900)
+    meta = json.load(open(os.path.join(workdir, "warm_start_seed_0", "warm_start.json")))
+    assert meta["config"]["corpus"] == "twenty_questions_forecast"
+    config = " ".join(open(os.path.join(workdir, "config.gin")).read().replace("\\\n", " ").split())
+    assert "ScriptedOracle.refused_attributes = ('edible', 'soft', 'wooden')" in config, config
+    table = open(os.path.join(workdir, "results.md")).read()
+    assert "oracle_refiner" in table and "corpus_rule_refiner" in table
+    for arm in ("warm_start", "nlac", "nlac_frozen_critic"):
+        assert f"| {arm} | 1 |" in table, table
+        rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_0", "metrics.jsonl"))]
+        assert all("probe/p_gap_rl" in r and "probe/p_gap_corpus" in r and "skill/evaluator_guess" in r
+                   for r in rows if "eval/success_rate" in r), rows
+
+
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
     """SkillRehearsal: the wrapped arm's examples unchanged and first, then per_iteration pool examples drawn from
     (seed, iteration) alone (the arm's RNG is untouched, so the arm decides the same with or without it); the wrapped

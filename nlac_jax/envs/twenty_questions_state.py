@@ -1,0 +1,80 @@
+"""The PUBLIC state of a 20 Questions game: what every role and the policy may read.
+
+A game's public state is its transcript plus the world (object table) it is played in. The world is public: the
+system message of a game in a named world says so ("World: unit."), and the table is the game's rulebook, the same
+for every role and the policy (they all read it through the same rendered line). From those two:
+
+* ``answer_word`` (defined in ``twenty_questions``): the oracle's reply as one word: yes / no / can't answer /
+  correct / error;
+* ``candidates`` (defined in ``twenty_questions``, whose action categories read it): the objects consistent with every (question, answer) pair of the transcript, and the questions
+  asked. An attribute or category question answered yes / no keeps the objects with / without it; "I can't answer
+  that." (an unanswerable or refused question) keeps everyone; a guess answered "No." drops the objects it names.
+  The classification of a question mirrors ``ScriptedOracle.answer`` (attribute, then category, then guess);
+* ``public_state``: history items ("alive? yes"), candidate names, questions left: what the compact prompts
+  (``nlac/templates/twenty_questions_forecast/_state.txt``) render.
+
+Nothing here reads the hidden object or the oracle's hidden refusal rule: only the transcript and the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Optional, Sequence
+
+# answer_word and candidates live in the env module (its action categories read them); exported here too
+from nlac_jax.envs.twenty_questions import (ANSWER_WORDS, MAX_QUESTIONS, ObjectTable, answer_word, candidates,
+                                            load_object_table)
+
+__all__ = ["ANSWER_WORDS", "answer_word", "world_of", "table_of_world", "candidates", "public_state"]
+
+_WORLD_RE = re.compile(r"\bWorld: ([A-Za-z0-9_\-]+)\.")
+_MAX_RE = re.compile(r"You have at most (\d+) questions")
+SHORT_ACTION_CHARS = 24  # a history item shows at most this much of an action (a garbled one is long)
+
+
+def world_of(state_messages: Sequence[dict]) -> str:
+    """The world named by the state's system message ("World: unit." -> 'unit'); 'scripted' (the default table)
+    when it names none."""
+    for m in state_messages:
+        if m.get("role") == "system":
+            found = _WORLD_RE.search(str(m.get("content", "")))
+            if found:
+                return found.group(1)
+    return "scripted"
+
+
+@functools.lru_cache(maxsize=8)
+def table_of_world(world: str) -> ObjectTable:
+    """The object table of a named world (``OBJECT_SETS``), loaded once per process: prompts are rendered
+    thousands of times per iteration."""
+    return load_object_table(world)
+
+
+def _short(action: str) -> str:
+    text = " ".join(str(action).split())
+    return text[:SHORT_ACTION_CHARS] or "(empty)"
+
+
+def public_state(state_messages: Sequence[dict], table: Optional[ObjectTable] = None) -> dict:
+    """The compact public state: {'history': ["alive? yes", "metal? can't answer", ...], 'candidates': [names],
+    'left': questions left, 'world': the world's name}. ``table`` None: the world the system message names."""
+    world = world_of(state_messages)
+    table = table if table is not None else table_of_world(world)
+    names, asked = candidates(state_messages, table)
+    history, last = [], None
+    for m in state_messages:
+        if m.get("role") == "assistant":
+            last = str(m.get("content", ""))
+        elif m.get("role") == "user" and last is not None:
+            history.append(f"{_short(last)} {answer_word(str(m.get('content', '')))}")
+            last = None
+    if last is not None:  # an action without its answer yet (never in a real state): shown unanswered
+        history.append(f"{_short(last)} ?")
+    n_max = MAX_QUESTIONS
+    for m in state_messages:
+        found = _MAX_RE.search(str(m.get("content", ""))) if m.get("role") == "system" else None
+        if found:
+            n_max = int(found.group(1))
+            break
+    return {"history": history, "candidates": names, "left": n_max - len(asked), "world": world}
