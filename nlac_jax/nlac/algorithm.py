@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable, Protocol, Sequence
 
 from nlac_jax.nlac import targets
@@ -48,12 +49,22 @@ class Learner(Protocol):
         ...
 
 
-def freeze_params(params):
-    """A private copy of a parameter tree, same shardings: the train step donates θ, so the frozen set must own
-    its buffers. One jitted copy (every process runs it, as every other step on global arrays)."""
+@functools.cache
+def _tree_copy():
+    # one jitted function per process: a fresh lambda per call was a new executable at every arm that froze θ
     import jax
     import jax.numpy as jnp
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(params)
+
+    def tree_copy(t):
+        return jax.tree.map(jnp.copy, t)
+    return jax.jit(tree_copy)
+
+
+def freeze_params(params):
+    """A private copy of a parameter tree, same shardings: the train step donates θ, so the frozen set must own
+    its buffers. One jitted copy (every process runs it, as every other step on global arrays), compiled once per
+    tree structure and shapes."""
+    return _tree_copy()(params)
 
 
 @dataclasses.dataclass

@@ -118,6 +118,18 @@ def test_frozen_params_own_their_buffers_after_the_train_step_donates_theta():
     assert frozen["w"].sharding == new["w"].sharding
 
 
+def test_freezing_again_compiles_nothing():
+    """Each frozen-critic arm freezes θ at its start: the copy is one executable per tree shape, not one per call."""
+    import jax.numpy as jnp
+    from nlac_jax.parallel import compilations
+    first, second = {"w": jnp.arange(5.0), "b": jnp.ones(2)}, {"w": jnp.arange(1.0, 6.0), "b": jnp.zeros(2)}
+    algorithm.freeze_params(first)
+    before = compilations.snapshot()
+    again = algorithm.freeze_params(second)
+    assert not compilations.since(before)
+    np.testing.assert_array_equal(np.asarray(again["w"]), [1, 2, 3, 4, 5])
+
+
 # ------------------------------------------------------------------------------------------ arms
 
 
