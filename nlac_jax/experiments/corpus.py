@@ -59,6 +59,10 @@ __all__ = [
     "toy_corpus",
     "toy_eval_corpus",
     "corpus_stats",
+    "rendered_observation",
+    "prefixed_chooser",
+    "backup_example",
+    "greedy_settings",
     "reference_success_rates",
 ]
 
@@ -225,7 +229,7 @@ def _reply_word(t: Transition) -> str:
     return f"{word}, out of guesses" if t.done else word
 
 
-def _rendered_observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[str]:
+def rendered_observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[str]:
     """The environment response after ``t.action`` rendered exactly as ``build_critic_examples`` renders it."""
     obs_msgs = t.next_observation if t.next_state is not None else []
     return render_transcript(obs_msgs, ps.transcript_labels, cfg.max_observation_chars, empty="") if obs_msgs else None
@@ -239,7 +243,7 @@ def _short_action(a: str) -> str:
 def terminal_summary(t: Transition, ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target of a terminal transition, exactly as ``targets.build_critic_examples`` builds it."""
     cfg = cfg or TargetConfig()
-    obs = _rendered_observation(t, ps, cfg)
+    obs = rendered_observation(t, ps, cfg)
     success = terminal_success(t, cfg)
     text = ps.terminal_summary(t.reward, t.episode_return, success, obs if cfg.terminal_include_observation else None)
     return truncate_summary(text, cfg.max_summary_chars)
@@ -273,6 +277,15 @@ def future_summary(future: Sequence[Transition], ps: PromptSet, cfg: Optional[Ta
 
 
 # ------------------------------------------------------------------------------------------- playing
+
+
+def prefixed_chooser(act: Callable[[list], str], prefix: Sequence[str] = ()) -> Callable[[list], str]:
+    """A chooser for :func:`play_episode`: the actions of ``prefix`` for the first turns (a counterfactual replays a
+    real episode's actions up to the step it changes), then ``act(history)``."""
+    def choose(history: list) -> str:
+        turn = sum(1 for m in history if m.get("role") == "assistant")
+        return prefix[turn] if turn < len(prefix) else act(history)
+    return choose
 
 
 def play_episode(env, task: Task, chooser: Callable[[list], str], task_name: str = TASK_NAME) -> list[Transition]:
@@ -333,7 +346,7 @@ def critic_and_policy_examples(ps: PromptSet, cfg: TargetConfig, traj: Sequence[
         succ, ret = parse_outcome(d_next)
         line = (succ, tr.reward + ret)
         assert d_t.rstrip().endswith(outcome_line(*line)), (d_t, line)
-        obs = _rendered_observation(tr, ps, cfg)
+        obs = rendered_observation(tr, ps, cfg)
         prompt = ps.backup(tr.state, tr.action, tr.reward, obs or [], traj[t + 1].action, d_next,
                            target=line if cfg.enforce_outcome_line else None)
         out.append(CorpusExample("backup", prompt, d_t, task_id, tr.state, tr.action, dict(meta, terminal=False)))
@@ -503,3 +516,27 @@ def reference_success_rates(n: int, tasks: Sequence[Task], seed: int = 0, mix: S
     k = max(len(tasks), 1)
     return {"episodes": len(tasks), "behaviour": wins["behaviour"] / k,
             "scripted_refiner": wins["scripted_refiner"] / k}
+
+
+def backup_example(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition], summaries: Sequence[str], t: int,
+                   task_id: str, meta: dict) -> CorpusExample:
+    """Exactly `targets.build_critic_examples`' backup call for step t of ``traj`` (non-terminal; ``summaries[i]``:
+    the real summary of the future from step i, in the successor's format) -> the example whose target is the real
+    summary d_t. Asserts that d_t starts with the Bellman line of r_t and d_{t+1} (the backup's contract)."""
+    tr = traj[t]
+    d_next = truncate_summary(summaries[t + 1], cfg.max_summary_chars)
+    succ, ret = parse_outcome(d_next)
+    line = (succ, tr.reward + ret)
+    assert summaries[t].startswith(outcome_line(*line)), (summaries[t], line)
+    prompt = ps.backup(tr.state, tr.action, tr.reward, rendered_observation(tr, ps, cfg) or [], traj[t + 1].action,
+                       d_next, target=line if cfg.enforce_outcome_line else None)
+    return CorpusExample("backup", prompt, summaries[t], task_id, tr.state, tr.action, dict(meta, terminal=False))
+
+
+def greedy_settings(sampler, roles: Sequence[str]):
+    """The sampler's settings with temperature 0 for ``roles`` (the others keep theirs); None if it has none: the
+    probes read the critic's most likely outputs, a deterministic function of the parameters."""
+    if getattr(sampler, "settings", None) is None:
+        return None
+    return dataclasses.replace(sampler.settings,
+                               temperatures={**sampler.settings.temperatures, **{r: 0.0 for r in roles}})

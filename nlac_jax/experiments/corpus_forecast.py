@@ -31,7 +31,6 @@ Nothing is invented: every future is played by the real ``GuessNumberEnv``; exam
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import re
@@ -45,12 +44,13 @@ from nlac_jax.envs.base import Task, TaskCursor
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, WASTED_REPLY, is_wasted, parse_guess
 from nlac_jax.envs.transition import Transition
 from nlac_jax.experiments import warm_start
-from nlac_jax.experiments.corpus import CorpusExample, consistent_interval, play_episode
+from nlac_jax.experiments.corpus import (CorpusExample, backup_example, consistent_interval, greedy_settings,
+                                         play_episode, prefixed_chooser, terminal_summary)
 from nlac_jax.nlac import evaluation
 from nlac_jax.nlac.model_roles import ModelRoleSampler
-from nlac_jax.nlac.prompts import PromptSet, render_transcript
+from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
-from nlac_jax.nlac.verdict import outcome_line, parse_outcome
+from nlac_jax.nlac.verdict import outcome_line
 from nlac_jax.rl.roles import RoleSampling, check_samples, group
 
 __all__ = [
@@ -96,10 +96,7 @@ def jitter_action(history: Sequence[dict], n: int, rng: random.Random, jitter: f
 
 
 def _chooser(n: int, rng: random.Random, jitter: float, prefix: Sequence[str] = ()):
-    def choose(history: list) -> str:
-        turn = sum(1 for m in history if m.get("role") == "assistant")
-        return prefix[turn] if turn < len(prefix) else jitter_action(history, n, rng, jitter)
-    return choose
+    return prefixed_chooser(lambda history: jitter_action(history, n, rng, jitter), prefix)
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -123,12 +120,6 @@ def _short(a: str) -> str:
     return str(g) if g is not None and a.strip() == str(g) else (" ".join(a.split())[:20] or "(empty)")
 
 
-def _observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[str]:
-    """The environment response after ``t.action`` rendered exactly as ``targets.build_critic_examples`` does."""
-    msgs = t.next_observation if t.next_state is not None else []
-    return render_transcript(msgs, ps.transcript_labels, cfg.max_observation_chars, empty="") if msgs else None
-
-
 def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target for (s_t, a_t) from the real transitions a_t .. the end of the episode: the prompt set's
     terminal summary for a terminal step (exactly as ``targets.build_critic_examples`` builds it), else
@@ -138,11 +129,7 @@ def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetCo
         raise ValueError("forecast needs a finished episode (its last transition terminal)")
     first = future[0]
     if first.done:
-        success = bool(first.success) if first.success is not None else first.episode_return > cfg.success_threshold
-        obs = _observation(first, ps, cfg)
-        text = ps.terminal_summary(first.reward, first.episode_return, success,
-                                   obs if cfg.terminal_include_observation else None)
-        return truncate_summary(text, cfg.max_summary_chars)
+        return terminal_summary(first, ps, cfg)
     parts = [f"Reply: {reply_word(first)}."]
     for t in list(future[1:])[:DETAIL_GUESSES]:
         parts.append(f"Next {_short(t.action)}: {reply_word(t)}.")
@@ -197,19 +184,6 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int,
 def _env(n: int, max_turns: Optional[int], waste_every: int = 0, wasted: Sequence[int] = ()) -> GuessNumberEnv:
     # every argument explicit: gin bindings on GuessNumberEnv (the RL game's rule) must never reach the corpus
     return GuessNumberEnv(n=n, max_turns=max_turns, waste_every=waste_every, wasted_numbers=tuple(wasted))
-
-
-def _backup_example(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition], summaries: Sequence[str], t: int,
-                    task_id: str, meta: dict) -> CorpusExample:
-    """Exactly build_critic_examples' backup call for step t (non-terminal) -> the real summary d_t."""
-    tr = traj[t]
-    d_next = truncate_summary(summaries[t + 1], cfg.max_summary_chars)
-    succ, ret = parse_outcome(d_next)
-    line = (succ, tr.reward + ret)
-    assert summaries[t].startswith(outcome_line(*line)), (summaries[t], line)
-    prompt = ps.backup(tr.state, tr.action, tr.reward, _observation(tr, ps, cfg) or [], traj[t + 1].action, d_next,
-                       target=line if cfg.enforce_outcome_line else None)
-    return CorpusExample("backup", prompt, summaries[t], task_id, tr.state, tr.action, dict(meta, terminal=False))
 
 
 def _judge_examples(ps: PromptSet, n: int, task: Task, state: list, action: str, future_text: str,
@@ -307,14 +281,14 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
             meta = dict(episode=ep, step=t, game="skill", source="behaviour", episode_success=bool(traj[-1].success),
                         episode_length=len(traj))
             if not tr.done:
-                out.append(_backup_example(ps, cfg, traj, summaries, t, task.id, meta))
+                out.append(backup_example(ps, cfg, traj, summaries, t, task.id, meta))
             out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range)
             alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range)
             cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
             cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
             ameta = dict(meta, source="alternative")
             if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
-                out.append(_backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
+                out.append(backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
             out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range)
     return out
 
@@ -395,7 +369,7 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
     corpus_wasted = _env(n, max_turns, corpus_waste_every).wasted
     guesses = list(range(1, n + 1))
-    settings = _greedy_settings(sampler, ("successor",)) if greedy else None
+    settings = greedy_settings(sampler, ("successor",)) if greedy else None
     out = check_samples(sampler.sample([prompts.successor(state, str(g)) for g in guesses], params, "successor",
                                        n=samples, settings=settings), n * samples, "successor")
     said = {g: sum(forecast_reply(c.text) == WASTED_REPLY for c in grp) / samples
@@ -420,14 +394,6 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
                 p[g] for g in guesses if not rl_wasted(g)),
             "probe/p_gap_corpus": mean(p[g] for g in guesses if corpus_wasted(g)) - mean(
                 p[g] for g in guesses if not corpus_wasted(g))}
-
-
-def _greedy_settings(sampler, roles: Sequence[str]):
-    """The sampler's settings with temperature 0 for ``roles`` (the others keep theirs); None if it has none."""
-    if getattr(sampler, "settings", None) is None:
-        return None
-    return dataclasses.replace(sampler.settings,
-                               temperatures={**sampler.settings.temperatures, **{r: 0.0 for r in roles}})
 
 
 WASTE_RULES = {"odd": lambda g: g % 2 == 1, "even": lambda g: g % 2 == 0, "mult3": lambda g: g % 3 == 0}
@@ -466,7 +432,7 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts,
                                  p_out_of_range=p_out_of_range)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
-    greedy = _greedy_settings(sampler, SKILL_ROLES)
+    greedy = greedy_settings(sampler, SKILL_ROLES)
     got: dict = {}
     roles = list(SKILL_ROLES) + (["evaluator_range"] if p_out_of_range > 0 else [])
     for name in roles:

@@ -46,7 +46,6 @@ Nothing is invented: every future is played by the real ``TwentyQuestionsEnv`` w
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import re
@@ -60,11 +59,11 @@ from nlac_jax.envs.transition import Transition
 from nlac_jax.envs.twenty_questions import (ObjectTable, ScriptedOracle, TwentyQuestionsEnv,
                                             TwentyQuestionsTaskSource, canonical_question, load_object_table)
 from nlac_jax.envs.twenty_questions_state import ANSWER_WORDS, answer_word, candidates
-from nlac_jax.experiments.corpus import CorpusExample, play_episode
-from nlac_jax.experiments.corpus_forecast import _greedy_settings
-from nlac_jax.nlac.prompts import PromptSet, render_transcript
+from nlac_jax.experiments.corpus import (CorpusExample, backup_example, greedy_settings, play_episode,
+                                         prefixed_chooser, terminal_summary)
+from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
-from nlac_jax.nlac.verdict import outcome_line, parse_outcome
+from nlac_jax.nlac.verdict import outcome_line
 from nlac_jax.rl.roles import check_samples
 
 __all__ = [
@@ -167,10 +166,7 @@ def behaviour_action(state: Sequence[dict], table: ObjectTable, rng: random.Rand
 
 
 def _chooser(table: ObjectTable, rng: random.Random, mix, prefix: Sequence[str] = ()):
-    def choose(history: list) -> str:
-        turn = sum(1 for m in history if m.get("role") == "assistant")
-        return prefix[turn] if turn < len(prefix) else behaviour_action(history, table, rng, mix)
-    return choose
+    return prefixed_chooser(lambda history: behaviour_action(history, table, rng, mix), prefix)
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -182,12 +178,6 @@ def _answer(t: Transition) -> str:
     return answer_word(" ".join(m.get("content", "") for m in t.next_observation))
 
 
-def _observation(t: Transition, ps: PromptSet, cfg: TargetConfig) -> Optional[str]:
-    """The environment response after ``t.action`` rendered exactly as ``targets.build_critic_examples`` does."""
-    msgs = t.next_observation if t.next_state is not None else []
-    return render_transcript(msgs, ps.transcript_labels, cfg.max_observation_chars, empty="") if msgs else None
-
-
 def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetConfig] = None) -> str:
     """The successor target for (s_t, a_t) from the real transitions a_t .. the end: the prompt set's terminal
     summary for a terminal step (exactly as ``targets.build_critic_examples`` builds it), else ``Outcome: ...;
@@ -197,11 +187,7 @@ def forecast(future: Sequence[Transition], ps: PromptSet, cfg: Optional[TargetCo
         raise ValueError("forecast needs a finished episode (its last transition terminal)")
     first = future[0]
     if first.done:
-        success = bool(first.success) if first.success is not None else first.episode_return > cfg.success_threshold
-        obs = _observation(first, ps, cfg)
-        text = ps.terminal_summary(first.reward, first.episode_return, success,
-                                   obs if cfg.terminal_include_observation else None)
-        return truncate_summary(text, cfg.max_summary_chars)
+        return terminal_summary(first, ps, cfg)
     ret = sum(float(t.reward) for t in future)
     return truncate_summary(f"{outcome_line(bool(future[-1].success), ret)}\nAnswer: {_answer(first)}.",
                             cfg.max_summary_chars)
@@ -268,19 +254,6 @@ def make_env(table: ObjectTable, max_questions: int, refused: Sequence[str] = ()
     (``ScriptedOracle.refused_attributes``, ``TwentyQuestionsEnv.*``) must never reach the corpus's games."""
     return TwentyQuestionsEnv(ScriptedOracle(table, refused_attributes=tuple(refused)),
                               max_questions=int(max_questions), max_action_chars=1000)
-
-
-def _backup_example(ps: PromptSet, cfg: TargetConfig, traj: Sequence[Transition], summaries: Sequence[str], t: int,
-                    task_id: str, meta: dict) -> CorpusExample:
-    """Exactly build_critic_examples' backup call for step t (non-terminal) -> the real summary d_t."""
-    tr = traj[t]
-    d_next = truncate_summary(summaries[t + 1], cfg.max_summary_chars)
-    succ, ret = parse_outcome(d_next)
-    line = (succ, tr.reward + ret)
-    assert summaries[t].startswith(outcome_line(*line)), (summaries[t], line)
-    prompt = ps.backup(tr.state, tr.action, tr.reward, _observation(tr, ps, cfg) or [], traj[t + 1].action, d_next,
-                       target=line if cfg.enforce_outcome_line else None)
-    return CorpusExample("backup", prompt, summaries[t], task_id, tr.state, tr.action, dict(meta, terminal=False))
 
 
 def _judge_examples(ps: PromptSet, table: ObjectTable, partner: dict, task: Task, state: list, action: str,
@@ -356,14 +329,14 @@ def build_forecast_examples(tasks: Sequence[Task], table: ObjectTable, episodes:
             meta = dict(episode=ep, step=t, game="skill", source="behaviour", episode_success=bool(traj[-1].success),
                         episode_length=len(traj), hidden=task.payload["name"], refused=refused)
             if not tr.done:
-                out.append(_backup_example(ps, cfg, traj, summaries, t, task.id, meta))
+                out.append(backup_example(ps, cfg, traj, summaries, t, task.id, meta))
             out += _judge_examples(ps, table, partner, task, tr.state, tr.action, summaries[t], meta)
             alt = _alternative(tr.state, tr.action, table, rng, mix)
             cf = play_episode(env, task, _chooser(table, rng, mix, prefix=actions[:t] + [alt]), TASK_NAME)
             cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
             ameta = dict(meta, source="alternative")
             if not cf[t].done:
-                out.append(_backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
+                out.append(backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
             out += _judge_examples(ps, table, partner, task, tr.state, alt, cf_summaries[t], ameta)
     return out
 
@@ -495,7 +468,7 @@ def skill_probe(sampler, prompts: PromptSet, seed: int = 99, per_role: int = 48,
                                  corpus_refused=corpus_refused, rl_refused=rl_refused, max_questions=max_questions,
                                  prompts=prompts)
     rng = random.Random(f"20q-forecast-skill-probe:{seed}")
-    greedy = _greedy_settings(sampler, SKILL_ROLES)
+    greedy = greedy_settings(sampler, SKILL_ROLES)
     got: dict = {}
     for role in SKILL_ROLES:
         pool = [e for e in ex if e.role == role]
