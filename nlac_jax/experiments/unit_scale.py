@@ -332,7 +332,8 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None = None) -> tuple[bool, str]:
+def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None = None,
+                  actions: str = "numbers") -> tuple[bool, str]:
     """(passed, one line) for a warm start's knowledge probe (the scored gaps probe/p_gap_corpus and probe/p_gap_rl
     of `corpus_forecast.waste_probe`: P(wasted) on the numbers a rule wastes minus on the numbers it spares). Two
     premises, each checked when its bound is not None:
@@ -340,7 +341,8 @@ def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None
     min_gap (`UnitScaleConfig.premise_min_gap`): the warm start HOLDS the corpus rule: p_gap_corpus >= min_gap.
     max_rl_gap (`UnitScaleConfig.premise_max_rl_gap`): the warm start does NOT already know the RL game's rule:
       p_gap_rl <= max_rl_gap (what L1 must learn from real transitions is not in the warm start).
-    Both None: always passes. A warm start without the probe's metrics fails a check that was asked for."""
+    Both None: always passes. A warm start without the probe's metrics fails a check that was asked for. actions:
+    what the rules waste, as the line names it ("numbers" in the toy game, "attribute questions" in 20 Questions)."""
     if min_gap is None and max_rl_gap is None:
         return True, "no premise check"
     checks = [(k, b) for k, b in (("corpus", min_gap), ("rl", max_rl_gap)) if b is not None]
@@ -351,11 +353,11 @@ def premise_check(initial: dict, min_gap: float | None, max_rl_gap: float | None
     parts, ok = [], True
     if min_gap is not None:
         ok &= vals["corpus"] >= min_gap
-        parts.append(f"the warm-start successor's P(wasted) is {vals['corpus']:+.2f} higher on the numbers the corpus "
-                     f"rule wastes than on those it spares (needed >= {min_gap:g})")
+        parts.append(f"the warm-start successor's P(wasted) is {vals['corpus']:+.2f} higher on the {actions} the "
+                     f"corpus rule wastes than on those it spares (needed >= {min_gap:g})")
     if max_rl_gap is not None:
         ok &= vals["rl"] <= max_rl_gap
-        parts.append(f"{vals['rl']:+.2f} higher on the numbers the RL game wastes than on those it spares (allowed "
+        parts.append(f"{vals['rl']:+.2f} higher on the {actions} the RL game wastes than on those it spares (allowed "
                      f"<= {max_rl_gap:g}: it must not know the RL rule)")
     return bool(ok), f"premise {'holds' if ok else 'failed'}: " + "; ".join(parts)
 
@@ -417,7 +419,9 @@ def run_experiment(workdir: str) -> dict:
                     if isinstance(v, float) and (k.startswith(("probe/", "skill/")) or k in _HEADLINE)))
                 checked = xcfg.premise_min_gap is not None or xcfg.premise_max_rl_gap is not None
                 if checked and seed not in premise:
-                    premise[seed] = premise_check(initial, xcfg.premise_min_gap, xcfg.premise_max_rl_gap)
+                    premise[seed] = premise_check(
+                        initial, xcfg.premise_min_gap, xcfg.premise_max_rl_gap,
+                        "attribute questions" if xcfg.corpus == "twenty_questions_forecast" else "numbers")
                     with open(premise_file, "w") as f:
                         json.dump(list(premise[seed]), f)
                     _progress(workdir, f"seed {seed}: {premise[seed][1]}"

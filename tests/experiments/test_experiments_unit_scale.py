@@ -141,6 +141,7 @@ def test_premise_check_by_hand():
     ok, line = premise_check({"probe/p_gap_rl": 0.03}, None, 0.1)
     assert ok and "+0.03 higher on the numbers the RL game wastes" in line and "allowed <= 0.1" in line
     assert not premise_check({"probe/p_gap_rl": 0.27}, None, 0.1)[0]
+    assert "on the attribute questions the RL game wastes" in premise_check(probe, None, 0.1, "attribute questions")[1]
     assert "(premise_max_rl_gap=0.1)" in premise_check({"probe/p_gap_corpus": 0.9}, None, 0.1)[1]
     # both premises: both must hold
     assert premise_check(probe, 0.5, 0.1)[0]
