@@ -596,50 +596,25 @@ class TwentyQuestionsEnv(EnvBase):
         oracle's grammar cannot answer), "repeat" (the same attribute, category or object asked before), "wasted" (an
         attribute the oracle refuses: its hidden rule), "outside" (a guess of an object the answers already exclude),
         "uninformative" (an attribute or category question every possible object answers alike), else
-        "informative" (a correct guess included). The first that applies, in that order."""
+        "informative" (a correct guess included). The first that applies, in that order; every category but
+        "wasted" is :func:`public_category`'s, read off the transcript and the table alone."""
         table = getattr(self.oracle, 'table', None)
         if not isinstance(self.oracle, ScriptedOracle) or table is None:
             return None
         if self.validate_action(action) is not None:
             return "invalid"
-        key = self._question_key(action, table)
-        if key is None:
+        category = public_category(state, action, table)
+        if category is None:
             return "invalid"
-        asked = {self._question_key(m.get('content', ''), table) for m in state if m.get('role') == 'assistant'}
-        if key in asked:
-            return "repeat"
-        kind, what = key
-        if kind == 'attribute' and what in self.oracle.refused_attributes:
+        kind, what = question_key(action, table)
+        if category != "repeat" and kind == 'attribute' and what in self.oracle.refused_attributes:
             return "wasted"
-        names, _ = candidates(state, table)
-        if kind == 'guess':
-            return "informative" if what in names else "outside"
-        objs = [table.find(n) for n in names]
-        if kind == 'attribute':
-            answers = {o.attributes is not None and what in o.attributes for o in objs}
-        else:
-            answers = {o.category == what for o in objs}
-        return "informative" if len(answers) > 1 else "uninformative"
+        return category
 
     def is_action_optimal(self, state: Sequence[dict], action: str) -> Optional[bool]:
         """Whether ``action`` is "informative" (:meth:`action_category`); None without a scripted oracle."""
         cat = self.action_category(state, action)
         return None if cat is None else cat == "informative"
-
-    @staticmethod
-    def _question_key(question: str, table: ObjectTable) -> Optional[tuple]:
-        """('attribute', a) / ('category', c) / ('guess', object name) as the scripted oracle reads the question;
-        None when it cannot answer it at all."""
-        q = canonical_question(question)
-        if q in table.attribute_questions:
-            return ('attribute', table.attribute_questions[q])
-        if q.startswith('is it ') and q[len('is it '):] in table.category_phrases:
-            return ('category', table.category_phrases[q[len('is it '):]])
-        phrase = guessed_phrase(question)
-        if phrase is None:
-            return None
-        named = [o.name for o in table.objects if any(_phrase_equal(phrase, n) for n in o.names())]
-        return ('guess', named[0]) if named else None
 
     def _finish(self, obs: str, info: dict) -> StepResult:
         if self.asked >= self.max_turns:
@@ -649,3 +624,40 @@ class TwentyQuestionsEnv(EnvBase):
             info['object'] = self.obj.name
             return StepResult(f"{obs} You have used all {self.max_turns} questions.", -1.0, True, info)
         return StepResult(obs, -1.0, False, info)
+
+
+def question_key(question: str, table: ObjectTable) -> Optional[tuple]:
+    """('attribute', a) / ('category', c) / ('guess', object name) as the scripted oracle reads ``question``; None
+    when its grammar cannot answer it at all."""
+    q = canonical_question(question)
+    if q in table.attribute_questions:
+        return ('attribute', table.attribute_questions[q])
+    if q.startswith('is it ') and q[len('is it '):] in table.category_phrases:
+        return ('category', table.category_phrases[q[len('is it '):]])
+    phrase = guessed_phrase(question)
+    if phrase is None:
+        return None
+    named = [o.name for o in table.objects if any(_phrase_equal(phrase, n) for n in o.names())]
+    return ('guess', named[0]) if named else None
+
+
+def public_category(state: Sequence[dict], action: str, table: ObjectTable) -> Optional[str]:
+    """What the public transcript ``state`` and the (public) ``table`` alone say of ``action``: "repeat" (its
+    attribute, category or object was asked before), "outside" (a guess of an object the answers exclude),
+    "uninformative" (every possible object answers it alike), else "informative"; None when the oracle's grammar
+    cannot read it. No hidden object and no refusal rule is read (the env's "wasted" is not decided here)."""
+    key = question_key(action, table)
+    if key is None:
+        return None
+    if key in {question_key(m.get('content', ''), table) for m in state if m.get('role') == 'assistant'}:
+        return "repeat"
+    kind, what = key
+    names, _ = candidates(state, table)
+    if kind == 'guess':
+        return "informative" if what in names else "outside"
+    objs = [table.find(n) for n in names]
+    if kind == 'attribute':
+        answers = {o.attributes is not None and what in o.attributes for o in objs}
+    else:
+        answers = {o.category == what for o in objs}
+    return "informative" if len(answers) > 1 else "uninformative"

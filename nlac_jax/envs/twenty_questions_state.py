@@ -10,6 +10,7 @@ for every role and the policy (they all read it through the same rendered line).
   asked. An attribute or category question answered yes / no keeps the objects with / without it; "I can't answer
   that." (an unanswerable or refused question) keeps everyone; a guess answered "No." drops the objects it names.
   The classification of a question mirrors ``ScriptedOracle.answer`` (attribute, then category, then guess);
+* ``dominated_question``: an action the public state already shows useless (for ``nlac.TargetConfig.target_filter``);
 * ``public_state``: history items ("alive? yes"), candidate names, questions left: what the compact prompts
   (``nlac/templates/twenty_questions_forecast/_state.txt``) render.
 
@@ -23,10 +24,13 @@ import re
 from typing import Optional, Sequence
 
 # answer_word and candidates live in the env module (its action categories read them); exported here too
-from nlac_jax.envs.twenty_questions import (ANSWER_WORDS, MAX_QUESTIONS, ObjectTable, answer_word, candidates,
-                                            load_object_table)
+import gin
 
-__all__ = ["ANSWER_WORDS", "answer_word", "world_of", "table_of_world", "candidates", "public_state"]
+from nlac_jax.envs.twenty_questions import (ANSWER_WORDS, MAX_QUESTIONS, ObjectTable, answer_word, candidates,
+                                            load_object_table, public_category)
+
+__all__ = ["ANSWER_WORDS", "answer_word", "world_of", "table_of_world", "candidates", "public_state",
+           "dominated_question"]
 
 _WORLD_RE = re.compile(r"\bWorld: ([A-Za-z0-9_\-]+)\.")
 _MAX_RE = re.compile(r"You have at most (\d+) questions")
@@ -78,3 +82,13 @@ def public_state(state_messages: Sequence[dict], table: Optional[ObjectTable] = 
             n_max = int(found.group(1))
             break
     return {"history": history, "candidates": names, "left": n_max - len(asked), "world": world}
+
+
+@gin.configurable(module='nlac_jax.envs')
+def dominated_question(state: Sequence[dict], action: str) -> bool:
+    """True iff ``action`` is dominated on the public transcript ``state`` and its world's table alone: a question
+    or guess asked before, a guess of an object the answers already exclude, or a question every still-possible
+    object answers alike (``twenty_questions.public_category``). The policy can see all three are useless; no
+    hidden object and no refusal rule is read. An action the oracle's grammar cannot read is not judged here
+    (False). The 20 Questions counterpart of ``envs.toy.dominated_guess``, for ``nlac.TargetConfig.target_filter``."""
+    return public_category(state, action, table_of_world(world_of(state))) in ("repeat", "outside", "uninformative")

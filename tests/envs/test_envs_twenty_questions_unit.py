@@ -153,3 +153,39 @@ def test_action_categories_by_hand(table):
     assert cat(state, "wooden?") == "uninformative" and cat(state, "soft?") == "informative"
     assert env.is_action_optimal(state, "metal?") is False and env.is_action_optimal(state, "bell?") is True
     assert env.is_action_optimal(state, "wooden?") is False
+
+
+def test_dominated_question_reads_the_public_transcript_as_the_env_categorises(table):
+    """envs.dominated_question (the transcript and the world's table only) == the env's own categories 'repeat',
+    'outside' or 'uninformative' (which the env reads with the hidden object at hand), on random games with an
+    oracle that refuses nothing (so no 'wasted' label hides a public one); a refused question is not dominated."""
+    import random
+
+    from nlac_jax.envs.twenty_questions_state import dominated_question
+    rng = random.Random(5)
+    env = TwentyQuestionsEnv(ScriptedOracle(table, refused_attributes=()), max_questions=7)
+    pool = [f"{a}?" for a in ATTRS] + [f"{o.name}?" for o in table.objects] + ["hmm?"]
+    checked = {True: 0, False: 0}
+    for _ in range(40):
+        state = env.reset(_task(table, rng.choice(table.objects).name))
+        for _ in range(7):
+            for q in rng.sample(pool, 4):
+                want = env.action_category(state, q) in ("repeat", "outside", "uninformative")
+                assert dominated_question(state, q) == want, (state, q)
+                checked[want] += 1
+            q = rng.choice(pool)
+            r = env.step(q)
+            state = state + [{"role": "assistant", "content": q}, {"role": "user", "content": r.observation}]
+            if r.done:
+                break
+    assert min(checked.values()) > 100  # both answers were exercised
+    # by hand (owl hidden, metal refused): after "alive? yes" and "metal? can't answer", metal is asked again
+    # (dominated: a repeat); edible is refused by nobody here and splits the alive objects, so not dominated
+    env = TwentyQuestionsEnv(ScriptedOracle(table, refused_attributes=("metal",)), max_questions=7)
+    state = env.reset(_task(table, "owl"))
+    for q in ("alive?", "metal?"):
+        state = state + [{"role": "assistant", "content": q}, {"role": "user", "content": env.step(q).observation}]
+    assert answer_word(state[-1]["content"]) == "can't answer"
+    assert dominated_question(state, "Is it metal?") and dominated_question(state, "fox?")
+    assert not dominated_question(state, "round?") and not dominated_question(state, "owl?")
+    assert not dominated_question(state, "hmm?")
