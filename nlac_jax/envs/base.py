@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import random
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -548,13 +549,16 @@ def pass_hat_k_from_episodes(episodes: Sequence[Episode], k: int) -> float:
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict:
-    """Mean return / success / length / errors over episodes, and the count of env exceptions (plain floats)."""
+    """Mean return / success / length / errors over episodes, the mean length of the successful ones (NaN when none
+    succeeded: 20 Questions' "questions to a win"), and the count of env exceptions (plain floats)."""
     n = max(len(episodes), 1)
+    wins = [e.length for e in episodes if e.success]
     return {
         'num_episodes': len(episodes),
         'mean_return': sum(e.total_return for e in episodes) / n,
         'success_rate': sum(e.success for e in episodes) / n,
         'mean_length': sum(e.length for e in episodes) / n,
+        'mean_length_success': sum(wins) / len(wins) if wins else math.nan,
         'errors_per_episode': sum(e.num_errors for e in episodes) / n,
         'truncated_rate': sum(e.truncated for e in episodes) / n,
         'env_exceptions': float(sum(getattr(e, 'env_exceptions', 0) for e in episodes)),

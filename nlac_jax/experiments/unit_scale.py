@@ -233,6 +233,7 @@ def _read_rows(path: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- report
 TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
+              ("eval/mean_length_success", "turns to a win"),
               ("collect/success_rate", "train success (last iter)"), ("eval/critic_auc", "critic AUC"),
               ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
@@ -243,6 +244,20 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("skill/evaluator_guess", "critique names the guess"),
               ("eval/actions/wasted", "wasted guesses"), ("eval/actions/outside", "guesses outside the range"),
               ("eval/actions/repeat", "repeated guesses"))
+# 20 Questions names the same quantities in its own words, and adds the questions the public state shows useless
+_TWENTY_QUESTIONS_LABELS = {
+    "eval/mean_return": "held-out return (-1 per question)", "eval/mean_length_success": "questions to a win",
+    "probe/p_gap_rl": "P(refused) gap, RL rule (+1 knows it)", "probe/p_gap_corpus": "P(refused) gap, corpus rule",
+    "skill/evaluator_guess": "critique names the question", "eval/actions/wasted": "refused questions",
+    "eval/actions/outside": "guesses of excluded objects", "eval/actions/repeat": "repeated questions"}
+
+
+def table_keys(corpus: str) -> tuple:
+    """(metric key, column label) of the results table for the experiment's corpus (``UnitScaleConfig.corpus``)."""
+    if corpus != "twenty_questions_forecast":
+        return TABLE_KEYS
+    return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n)) for k, n in TABLE_KEYS) + (
+        ("eval/actions/uninformative", "questions every possible object answers alike"),)
 
 
 def _final(rows: list[dict], key: str) -> float:
@@ -259,12 +274,13 @@ def _mean_std(xs: list[float]) -> str:
     return f"{np.mean(xs):.3f} ± {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
-def results_table(results: dict, seconds: dict, reference: dict | None = None) -> str:
-    """Markdown: per arm, the final value of each TABLE_KEYS metric as mean ± std over seeds (population std)."""
-    head = "| arm | seeds | " + " | ".join(n for _, n in TABLE_KEYS) + " | seconds per seed |"
-    lines = [head, "|" + "---|" * (len(TABLE_KEYS) + 3)]
+def results_table(results: dict, seconds: dict, reference: dict | None = None, keys: tuple = TABLE_KEYS) -> str:
+    """Markdown: per arm, the final value of each ``keys`` metric (``table_keys``) as mean ± std over seeds
+    (population std)."""
+    head = "| arm | seeds | " + " | ".join(n for _, n in keys) + " | seconds per seed |"
+    lines = [head, "|" + "---|" * (len(keys) + 3)]
     for arm, per_seed in results.items():
-        cells = [_mean_std([_final(rows, k) for rows in per_seed.values()]) for k, _ in TABLE_KEYS]
+        cells = [_mean_std([_final(rows, k) for rows in per_seed.values()]) for k, _ in keys]
         secs = [seconds.get(arm, {}).get(s, math.nan) for s in per_seed]
         lines.append(f"| {arm} | {len(per_seed)} | " + " | ".join(cells) + f" | {_mean_std(secs)} |")
     if reference:
@@ -310,10 +326,11 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
         ("learning_curves.png", (("eval/success_rate", "held-out success"),
                                  ("eval/critic_auc", "critic AUC: scored P(success) vs held-out outcome"),
                                  ("collect/success_rate", "train success (sampled)"),
-                                 ("eval/mean_return", "held-out return"))),
+                                 ("eval/mean_return", "held-out return"),
+                                 ("eval/mean_length_success", "turns to a win (held-out)"))),
         ("critic_curves.png", (("eval/critic_auc", "critic AUC of scored P(success)"),
                                ("eval/critic_brier", "critic Brier score of P(success)"),
-                               ("probe/p_gap_rl", "P(wasted) on RL-wasted minus spared guesses"),
+                               ("probe/p_gap_rl", "P(wasted) on RL-wasted minus spared actions"),
                                ("skill/evaluator_guess", "skill: the critique names the guess"),
                                ("eval/calib/return_mae", "calibration MAE (return-to-go)"),
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
@@ -448,7 +465,7 @@ def run_experiment(workdir: str) -> dict:
             wasted_numbers=sorted(run.judge_env.wasted_numbers), corpus_waste_every=corpus_rule())
     else:
         reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
-    table = results_table(results, seconds, reference)
+    table = results_table(results, seconds, reference, table_keys(xcfg.corpus))
     if premise:
         table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
     curves, critic = plot_results(results, workdir)

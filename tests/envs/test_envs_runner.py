@@ -1,6 +1,7 @@
 """BatchedRunner, TaskCursor, pass^k, factories and gin wiring."""
 
 import json
+import math
 
 import gin
 import pytest
@@ -51,6 +52,7 @@ def test_batched_runner_mixed_lengths_and_transitions():
         'content'].startswith('Error')
     m = envs.episode_metrics(eps)
     assert m['success_rate'] == 1.0 and m['mean_length'] == pytest.approx(17 / 5)
+    assert m['mean_length_success'] == pytest.approx(17 / 5)  # every episode won
 
 
 def test_runner_pool_smaller_than_tasks_and_truncation():
@@ -70,6 +72,10 @@ def test_runner_pool_smaller_than_tasks_and_truncation():
     for e in (eps[1], eps[2], eps[5], eps[6]):
         assert e.truncated and e.length == 3 and not e.success
         assert e.transitions[-1].done is False and e.transitions[-1].info['truncated']
+    # turns to a win, by hand: 50 (1 turn), 25 and 75 (2 turns each); no win at all reads NaN, not 0
+    from nlac_jax.envs.base import episode_metrics
+    assert eps[4].length == 2 and episode_metrics(eps)['mean_length_success'] == pytest.approx(5 / 3)
+    assert math.isnan(episode_metrics([eps[1], eps[2]])['mean_length_success'])
 
 
 def test_runner_rejects_wrong_batch():

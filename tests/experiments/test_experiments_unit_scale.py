@@ -2,6 +2,7 @@
 end to end (every arm runs, the table and the figures are written, a rerun resumes). Learning itself is shown by
 the full experiment (README, "Does NLAC learn?"), not asserted here."""
 
+import math
 import os
 import subprocess
 import sys
@@ -251,6 +252,22 @@ def test_twenty_questions_smoke_configuration_runs(tmp_path):
         rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_0", "metrics.jsonl"))]
         assert all("probe/p_gap_rl" in r and "probe/p_gap_corpus" in r and "skill/evaluator_guess" in r
                    for r in rows if "eval/success_rate" in r), rows
+    assert "| refused questions |" in table and "| questions to a win |" in table and "wasted guesses" not in table
+
+
+def test_results_table_by_hand():
+    """results_table: per arm the LAST measured value of each metric, mean ± population std over seeds ('–' when no
+    seed measured it, NaN seeds left out); the 20 Questions corpus names its columns in its own words."""
+    from nlac_jax.experiments.unit_scale import results_table, table_keys
+    results = {"nlac": {0: [{"iteration": 6, "eval/success_rate": 0.1}, {"iteration": 12, "eval/success_rate": 0.2,
+                                                                       "eval/mean_length_success": math.nan}],
+                        1: [{"iteration": 12, "eval/success_rate": 0.4, "eval/mean_length_success": 5.0}]}}
+    table = results_table(results, {"nlac": {0: 10.0, 1: 30.0}}, None, table_keys("twenty_questions_forecast"))
+    head, _, row = table.splitlines()
+    cells = dict(zip([c.strip() for c in head.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    assert cells["held-out success"] == "0.300 ± 0.100" and cells["questions to a win"] == "5.000"
+    assert cells["refused questions"] == "–" and cells["seconds per seed"] == "20.000 ± 10.000"
+    assert "wasted guesses" in results_table(results, {}, None) and "refused questions" not in results_table(results, {})
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
