@@ -255,6 +255,22 @@ def test_twenty_questions_smoke_configuration_runs(tmp_path):
     assert "| refused questions |" in table and "| questions to a win |" in table and "wasted guesses" not in table
 
 
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "gin",
+                                                                           "experiments")) if f.endswith(".gin")))
+def test_every_experiment_gin_file_parses(name):
+    """Each experiment's gin file (its includes, imports and @references: e.g. a target filter's function) parses
+    as the CLI would load it; a typo would otherwise surface minutes into a run."""
+    import gin
+
+    from nlac_jax.cli import setup
+    try:
+        setup.load_gin([f"gin/experiments/{name}"], [])
+        from nlac_jax.experiments.config import UnitScaleConfig
+        assert UnitScaleConfig().arms  # the experiment's own block is bound
+    finally:
+        gin.clear_config()
+
+
 def test_results_table_by_hand():
     """results_table: per arm the LAST measured value of each metric, mean ± population std over seeds ('–' when no
     seed measured it, NaN seeds left out); the 20 Questions corpus names its columns in its own words."""
