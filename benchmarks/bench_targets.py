@@ -94,19 +94,22 @@ def play(n_tasks: int):
     return transitions, domain_text(source, env)
 
 
-def scripted_sampler():
+def scripted_texts() -> dict:
     """Fixed, well-formed role outputs of realistic length (a forecast ~400 characters, a critique ~300)."""
     from nlac_jax.envs.tau_bench import format_tool_call
     from nlac_jax.nlac.verdict import outcome_line
-    from nlac_jax.rl.roles import ScriptedRoleSampler
     future = ("The agent looks up the order, confirms the items and the payment method with the user, and makes the "
               "exchange the user asked for. The user confirms and the conversation ends. "
               "The database matches the expected state.\n" + outcome_line(True, 1.0))
     action = format_tool_call("get_order_details", {"order_id": "#W2378156"})
     critique = ("The action is reasonable: the order must be read before any change. Checking the user's identity "
                 "first would be safer, but the forecast shows the task succeeds either way.\nVerdict: optimal")
-    return ScriptedRoleSampler({"policy": action, "successor": future, "backup": future, "evaluator": critique,
-                                "refiner": action})
+    return {"policy": action, "successor": future, "backup": future, "evaluator": critique, "refiner": action}
+
+
+def scripted_sampler():
+    from nlac_jax.rl.roles import ScriptedRoleSampler
+    return ScriptedRoleSampler(scripted_texts())
 
 
 def targets_phase(transitions, tokenizer, k: int):
@@ -136,6 +139,53 @@ def targets_phase(transitions, tokenizer, k: int):
                 sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
                 sampler_trunks={r: sampler_prefill_tokens(sampler.calls, tokenizer, trunk_rows=r) for r in (4, 8, 16)},
                 seconds=seconds), examples
+
+
+def workload(transitions, tokenizer, sampler_texts: dict, phase: dict, k: int) -> dict:
+    """The `planning.Workload` these episodes measure (tokens of ``tokenizer``): the head every policy prompt
+    shares, transitions per episode, the tokens one (action, observation) adds to the policy's prompt (mean), the
+    scripted role outputs' lengths, and role_tokens fitted so that the planner's model of this targets phase
+    (`planning.iteration.calls` over these transitions) presents as many prompt tokens as the phase measured."""
+    import types
+
+    from nlac_jax import text
+    from nlac_jax.nlac.prompts import PromptSet
+    from nlac_jax.nlac.targets import TargetConfig
+    from nlac_jax.planning import iteration
+    from nlac_jax.rl.roles import RoleSampling
+    ps = PromptSet(task="tau_retail")
+    prompts = [text.encode_chat(tokenizer, ps.policy(t.state), add_generation_prompt=True) for t in transitions]
+    growth = [len(text.encode_chat(tokenizer, ps.policy(t.next_state), add_generation_prompt=True)) - len(p)
+              for t, p in zip(transitions, prompts) if not t.done]
+    n = {role: len(tokenizer.encode(sampler_texts[role])) for role in ("policy", "successor", "evaluator")}
+    w = dict(shared_tokens=min(text.common_prefix_length(prompts[0], p) for p in prompts),
+             turns=round(len(transitions) / max(1, sum(1 for t in transitions if t.done)), 2),
+             turn_tokens=round(sum(growth) / max(1, len(growth))), role_tokens=0, action_tokens=n["policy"],
+             summary_tokens=n["successor"], critique_tokens=n["evaluator"])
+    loop = types.SimpleNamespace(episodes_per_iteration=0, critic_examples=len(transitions),
+                                 policy_examples=len(transitions))
+    model = [c for c in iteration.calls(loop, RoleSampling(), TargetConfig(k_futures=k), iteration.Workload(**w))
+             if c.phase != "rollouts"]
+    presented = sum(c.prompts * c.samples * c.length for c in model)
+    others = sum(c.prompts * c.samples for c in model if c.role != "policy")
+    w["role_tokens"] = max(0, round((phase["presented"] - presented) / others))
+    return w
+
+
+def modelled_shared_tokens(w: dict, transitions: int, k: int, calls: int) -> float:
+    """The prompt tokens `planning.iteration` says this targets phase computes with each call's shared head once
+    (its calls spread over the phase's ``calls`` generate calls): a check of the planner's model against the
+    sampler's count above."""
+    import types
+
+    from nlac_jax.nlac.targets import TargetConfig
+    from nlac_jax.planning import iteration
+    from nlac_jax.rl.roles import RoleSampling
+    loop = types.SimpleNamespace(episodes_per_iteration=0, critic_examples=transitions, policy_examples=transitions)
+    model = [c for c in iteration.calls(loop, RoleSampling(), TargetConfig(k_futures=k), iteration.Workload(**w))
+             if c.phase != "rollouts"]
+    head = w["shared_tokens"]
+    return calls * head + sum(c.prompts * (c.length - min(head, c.length)) for c in model)
 
 
 def layouts(examples, tokenizer, max_len: int, batch_size: int, row_multiple: int, row_len: int):
@@ -176,7 +226,6 @@ def report_layouts(lay, res: dict) -> None:
 
 def time_steps(batches_by_layout, vocab: int, a) -> dict:
     import jax
-    import numpy as np
 
     from nlac_jax import models, training
     from nlac_jax.parallel import sharding
@@ -239,6 +288,9 @@ def main(argv=None) -> int:
           f"tokenizer: {a.vocab} entries, the domain's system prompt = {chars} chars = {toks} tokens "
           f"({chars / max(toks, 1):.1f} chars/token)")
     phase, examples = targets_phase(transitions, tok, a.k)
+    w = workload(transitions, tok, scripted_texts(), phase, a.k)
+    print("workload (planning.Workload, the planner's per-iteration estimate; gin/tasks/tau_retail.gin): "
+          + ", ".join(f"{k} = {v}" for k, v in w.items()))
     print(f"\ntargets phase (k={a.k}): {phase['rows']} sampled rows, {phase['presented']:,} prompt tokens presented")
     for role, (n, t) in sorted(phase["per_role"].items()):
         print(f"  {role:10s} {n:4d} rows {t:10,d} tokens")
@@ -247,6 +299,9 @@ def main(argv=None) -> int:
     for r, n in phase["sampler_trunks"].items():
         print(f"  with trunks (Sampler(trunk_rows={r}), LoopConfig.sampler_trunk_rows) it prefills {n:,} "
               f"({n / phase['presented']:.1%})")
+    modelled = modelled_shared_tokens(w, len(transitions), a.k, phase["calls"])
+    print(f"  the planner's model of this phase (planning.iteration, the workload above) computes {modelled:,.0f} "
+          f"({modelled / phase['presented']:.1%}) with one shared prefix per call")
     print(f"  a prefix tree within each call would compute {phase['trie_per_call']:,} "
           f"({phase['trie_per_call'] / phase['presented']:.1%} of presented; no cache kept across calls)")
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
@@ -254,7 +309,7 @@ def main(argv=None) -> int:
 
     row_len = a.row_len or 2 * a.max_len
     lay = layouts(examples, tok, a.max_len, a.batch_size, 1, row_len)
-    res = {"args": vars(a), "targets_phase": phase, "train": {}}
+    res = {"args": vars(a), "workload": w, "targets_phase": phase, "train": {}}
     print(f"\ntrain step: {len(examples)} examples, batch_size {a.batch_size}, max_len {a.max_len}, packed rows "
           f"<= {row_len} tokens")
     report_layouts(lay, res)

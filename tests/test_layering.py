@@ -18,7 +18,7 @@ LAYERS = (
     ("parallel", "observability", "testing", "text"),
     ("models",),
     ("sampling", "training", "planning.footprint", "planning.tpu_specs"),
-    ("judges", "envs"),
+    ("judges", "envs", "planning.iteration"),
     ("data", "rl"),
     ("nlac",),
     ("runner",),

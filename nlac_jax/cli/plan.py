@@ -35,6 +35,13 @@ HBM (nlac_jax/planning/tpu_specs.py); the analytic FLOPs of a train step and of 
 of step time and decode tokens/s (peak FLOP/s or HBM bandwidth, whichever binds; no communication: an estimate,
 not a measurement). When something does not fit it exits 1 with one line on stderr saying what and by how much.
 
+With a task gin that states what its prompts look like (`planning.Workload`, e.g. gin/tasks/tau_retail.gin) it also
+prints a per-iteration estimate (planning/iteration.py): each phase's prompts, prompt tokens presented and computed
+with and without computing shared prefixes once, generated tokens, and roofline seconds both ways. `--estimate`
+prints only that table and compiles nothing:
+
+    python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail.gin --topology=v5p-64 --estimate
+
 Exit codes: 0 fits; 1 does not fit (or another handled error); 2 usage or configuration error (a bad --topology,
 a gin mistake); --debug shows tracebacks (nlac_jax/cli/common.py).
 """
@@ -59,6 +66,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--cpu-devices", "--cpu_devices", dest="cpu_devices", type=cli.int_at_least(1), default=None,
                    metavar="N", help="compile for N simulated CPU devices instead of the TPU topology (no libtpu; "
                                      "the HBM and roofline numbers stay the slice's)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print only the per-iteration estimate (planning/iteration.py: the task gin's "
+                        "planning.Workload), compiling nothing: seconds instead of minutes")
     g = p.add_argument_group("--serve: plan the judge server (python -m nlac_jax.serve) instead of the training loop")
     g.add_argument("--serve", action="store_true",
                    help="plan `python -m nlac_jax.serve` for the model of --gin_file (its build_model.hf_config) with "
@@ -141,6 +151,18 @@ def main(argv=None) -> int:
         # compile-only TPU executables cannot be read back from the persistent cache (no TPU client to load them)
         jax.config.update("jax_enable_compilation_cache", False)
         devices, where = planner.topology_devices(slc), f"TPU topology {slc.topology_name}"
+    if flags.estimate and not flags.serve:
+        from nlac_jax.parallel import sharding
+        from nlac_jax.planning import iteration
+        from nlac_jax.runner import building
+        cfg, _, _ = building.build_model()
+        work, rows, note = planner.iteration_estimate(slc, cfg, sharding.make_mesh(devices=devices))
+        if not rows:
+            raise cli.UsageError("--estimate needs a task gin that states planning.Workload (e.g. "
+                                 "gin/tasks/tau_retail.gin): none is bound")
+        print(f"{slc.name}, mesh {dict(sharding.make_mesh(devices=devices).shape)}: "
+              f"{iteration.report(rows, work)}\nnote: {note}", flush=True)
+        return 0
     if flags.serve:
         plan = _serve_plan(flags, slc, devices, where)
     else:

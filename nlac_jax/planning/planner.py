@@ -13,8 +13,9 @@ from nlac_jax import envs, models, sampling, training
 from nlac_jax.judges import server
 from nlac_jax.nlac import prompts as prompts_lib
 from nlac_jax.parallel import sharding
-from nlac_jax.planning import footprint, tpu_specs
+from nlac_jax.planning import footprint, iteration, tpu_specs
 from nlac_jax.planning.footprint import fmt_bytes
+from nlac_jax.nlac.targets import TargetConfig
 from nlac_jax.rl.roles import CHAT_ROLES, RoleSampling
 from nlac_jax.runner import building
 from nlac_jax.runner.loop import LoopConfig
@@ -240,6 +241,8 @@ class Plan:
     decode_flops_per_token: float
     decode_est: object
     decode_batch: int
+    iteration: list = dataclasses.field(default_factory=list)  # iteration.estimate's rows ([] without a Workload)
+    workload: object = None
 
     @property
     def hbm(self) -> int:
@@ -281,6 +284,8 @@ class Plan:
             f"per step ({self.train_est.bound}-bound, 100% of peak, no communication)",
             decode_line(self.decode_flops_per_token, self.decode_batch, self.decode_est),
         ]
+        if self.iteration:
+            lines += ["", iteration.report(self.iteration, self.workload)]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -412,7 +417,22 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
                                chips, chip.peak_bf16_flops, chip.hbm_bandwidth)
     if chips != slc.chips:
         notes.append(f"compiled for {chips} devices, the slice has {slc.chips} chips")
-    return Plan(slc, where, dict(mesh.shape), cfg, sb, exes, notes, tflops, t_est, dflops, d_est, db)
+    work, rows, note = iteration_estimate(slc, cfg, mesh)
+    notes += [note] if note else []
+    return Plan(slc, where, dict(mesh.shape), cfg, sb, exes, notes, tflops, t_est, dflops, d_est, db, rows, work)
+
+
+def iteration_estimate(slc: tpu_specs.Slice, cfg, mesh) -> tuple:
+    """(Workload, iteration.estimate's rows, a note) for the parsed gin config on ``mesh``: one iteration's work
+    with and without computing shared prompt prefixes once. ([] and no note when no task gin states a Workload.)"""
+    loop, work = LoopConfig(), iteration.Workload()
+    if not (work.shared_tokens or work.turn_tokens):
+        return work, [], ""
+    rows = iteration.estimate(cfg, loop, RoleSampling(), TargetConfig(), work, slc.chips, slc.chip.peak_bf16_flops,
+                              slc.chip.hbm_bandwidth, dict(mesh.shape))
+    return work, rows, (f"the per-iteration estimate's shared column is what the sampler's per-call shared prefix "
+                        f"(LoopConfig.sampler_shared_prefix = {loop.sampler_shared_prefix}) and train-row packing "
+                        f"(LoopConfig.share_prefixes = {loop.share_prefixes}) compute; trunks would compute less")
 
 
 # ----------------------------------------------------------------------------- the judge server's plan (--serve)
@@ -436,6 +456,8 @@ class ServePlan:
     decode_flops_per_token: float
     decode_est: object
     decode_batch: int
+    iteration: list = dataclasses.field(default_factory=list)  # iteration.estimate's rows ([] without a Workload)
+    workload: object = None
 
     @property
     def hbm(self) -> int:
@@ -471,6 +493,8 @@ class ServePlan:
             f"({100 * p.own_peak / self.hbm:.0f}%) during {p.name}",
             decode_line(self.decode_flops_per_token, self.decode_batch, self.decode_est),
         ]
+        if self.iteration:
+            lines += ["", iteration.report(self.iteration, self.workload)]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

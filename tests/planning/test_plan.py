@@ -95,13 +95,32 @@ def test_tpu_aot_compile_bytes_equal_the_planners(no_persistent_cache, monkeypat
 
 @pytest.mark.slow
 def test_plan_cpu_devices_prints_the_table_and_fits(capsys):
-    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"]
-                              + SMALL, capsys)
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8",
+                               "--gin_param=planning.Workload.shared_tokens = 96",
+                               "--gin_param=planning.Workload.turn_tokens = 16"] + SMALL, capsys)
     assert code == 0, err
     assert "| train step |" in out and "prefill" in out and "decode" in out
     assert "loop peak per chip" in out and "FLOPs" in out and "estimate" in out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "executable" not in line]
+    # a task's Workload adds the per-iteration estimate (planning.iteration, counted by hand in test_iteration.py)
+    assert "per-iteration estimate" in out and "| total |" in out and "96 shared tokens" in out, out
+    executables = out.split("per-iteration estimate")[0]
+    rows = [line for line in executables.splitlines() if line.startswith("| ") and "executable" not in line]
     assert rows and all(line.rstrip().endswith("| yes |") for line in rows)
+
+
+def test_plan_estimate_prints_the_iteration_table_and_compiles_nothing(capsys):
+    """--estimate: the per-iteration table alone (planning.iteration, counted by hand in test_iteration.py), no
+    executable compiled; without a task Workload it is a usage error in one line."""
+    from nlac_jax.parallel import compilations
+    base = ["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8", "--estimate"] + SMALL
+    before = compilations.snapshot()
+    code, out, err = _run_cli(base + ["--gin_param=planning.Workload.shared_tokens = 96",
+                                      "--gin_param=planning.Workload.turns = 3"], capsys)
+    assert code == 0, err
+    assert "| total |" in out and "| train |" in out and "96 shared tokens, 3 turns" in out, out
+    assert "| train step |" not in out and not compilations.since(before), compilations.since(before)
+    code, out, err = _run_cli(base, capsys)
+    assert code == 2 and err.count("\n") == 1 and "planning.Workload" in err, err
 
 
 SHARED = ["--gin_param=LoopConfig.sampler_shared_prefix = 16"]
