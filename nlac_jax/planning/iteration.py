@@ -173,8 +173,8 @@ def report(rows: list[dict], w: Workload) -> str:
     """Markdown table of :func:`estimate`'s rows, with the workload it assumed."""
     lines = [f"per-iteration estimate (analytic FLOPs, roofline seconds: lower bounds; workload: {w.shared_tokens} "
              f"shared tokens, {w.turns:g} turns of {w.turn_tokens} tokens, {w.role_tokens} role tokens per prompt)",
-             "| phase | prompts | prompt tokens presented | computed, each prompt whole | computed, shared prefixes "
-             "once | generated | seconds | seconds, shared | ratio |",
+             "| phase | prompts (train: examples) | prompt tokens presented | computed, no sharing (train: padded "
+             "slots) | computed, shared prefixes once | generated | seconds | seconds, shared | ratio |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["seconds"] / r["seconds_shared"] if r["seconds_shared"] else math.nan
