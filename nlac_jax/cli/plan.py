@@ -1,8 +1,12 @@
 """Plan a run before renting the slice: compile its executables for a TPU topology on this CPU and say whether the
 loop fits, per chip.
 
-    python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail.gin --topology=v5p-64 [--gin_param=...]
+    python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail.gin [--gin_param=...]   # its slice, v5p-64
+    python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail.gin --gin_file=gin/hardware/v4_32.gin
     python -m nlac_jax.plan --gin_file=... --topology=v5p-64 --cpu-devices 32     # quick check, no libtpu
+
+The slice is the one the gin files are sized for (SLICE, bound by their gin/hardware/ file); --topology may restate
+it (a different slice is a usage error naming the hardware file to add) and is required when no file binds one.
 
 It builds what `python -m nlac_jax.train` would build from the same gin files, without weights and without
 allocating anything: the model config (`build_model`; the config.json numbers come from the gin model file's
@@ -61,8 +65,10 @@ PROG = "python -m nlac_jax.plan"
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
     cli.add_gin_file_flags(p, "gin/runs/qwen2_5_7b_tau_retail.gin")
-    p.add_argument("--topology", required=True, metavar="SLICE",
-                   help="Cloud TPU slice as Cloud TPU names it: v4-32, v5p-64, v5e-256, v6e-64, ...")
+    p.add_argument("--topology", default=None, metavar="SLICE",
+                   help="Cloud TPU slice as Cloud TPU names it: v4-32, v5p-64, v5e-256, v6e-64, ... (default: the "
+                        "slice the gin files are sized for, their SLICE from gin/hardware/; a different one is an "
+                        "error: add that slice's gin/hardware/ file instead)")
     p.add_argument("--cpu-devices", "--cpu_devices", dest="cpu_devices", type=cli.int_at_least(1), default=None,
                    metavar="N", help="compile for N simulated CPU devices instead of the TPU topology (no libtpu; "
                                      "the HBM and roofline numbers stay the slice's)")
@@ -119,6 +125,31 @@ def _serve_plan(flags, slc, devices, where) -> planner.ServePlan:
                                    source=source)
 
 
+def _slice(flags) -> tpu_specs.Slice:
+    """The slice to plan for: --topology, which must be the SLICE the gin files are sized for (gin/hardware/) when
+    they bind one, or that SLICE when --topology is not given. --serve plans a server, which no hardware file sizes:
+    its --topology alone counts."""
+    from nlac_jax.planning import planner
+    sized_for = None if flags.serve else planner.gin_value("%SLICE", None)
+    files = ", ".join(flags.gin_file)
+    try:
+        sized = None if sized_for in (None, "cpu") else tpu_specs.parse_slice(sized_for, what="SLICE")
+        asked = None if flags.topology is None else tpu_specs.parse_slice(flags.topology)
+    except tpu_specs.TopologyError as e:
+        raise cli.UsageError(f"{files}: {e}" if "SLICE" in str(e) else str(e)) from None
+    if asked is None:
+        if sized is None:
+            raise cli.UsageError(f"--topology is required: {files} bind no TPU SLICE (a run's gin/hardware/ file "
+                                 f"does{'; cpu.gin sizes a CPU run' if sized_for == 'cpu' else ''})")
+        return sized
+    if sized is not None and asked.name != sized.name:
+        raise cli.UsageError(f"--topology={flags.topology} but {files} {'is' if len(flags.gin_file) == 1 else 'are'} "
+                             f"sized for SLICE = {sized_for!r}: add "
+                             f"--gin_file=gin/hardware/{asked.name.replace('-', '_')}.gin after them (or write that "
+                             f"slice's file from one in gin/hardware/)")
+    return asked
+
+
 def main(argv=None) -> int:
     """The planner CLI (module docstring); errors propagate (run it through `cli.run` for one-line errors)."""
     flags = build_parser().parse_args(argv)
@@ -128,10 +159,11 @@ def main(argv=None) -> int:
                              f"from the gin files)")
     if flags.serve and not hasattr(flags, "prompt_len"):
         raise cli.UsageError("--serve needs --prompt_len TOKENS: the longest prompt the server must take")
-    try:
-        slc = tpu_specs.parse_slice(flags.topology)
-    except tpu_specs.TopologyError as e:
-        raise cli.UsageError(str(e)) from None
+    if flags.topology is not None:
+        try:
+            tpu_specs.parse_slice(flags.topology)  # a bad flag fails before the gin files load
+        except tpu_specs.TopologyError as e:
+            raise cli.UsageError(str(e)) from None
     _setup_platform(flags.cpu_devices)
     import logging
     from nlac_jax.cli import setup
@@ -144,6 +176,7 @@ def main(argv=None) -> int:
         if not any(re.match(rf"\s*{macro}\s*=", b) for b in params):  # planning never calls the judge endpoint
             params.insert(0, f"{macro} = {stand_in}")
     setup.load_gin(flags.gin_file, params, check_mesh=False, check_run=not flags.serve)
+    slc = _slice(flags)
     if flags.cpu_devices is not None:
         devices, where = planner.cpu_devices(flags.cpu_devices), f"{flags.cpu_devices} simulated CPU devices"
     else:

@@ -49,8 +49,14 @@ def _bound(name: str, default):
 
 def check_mesh_fits(loop_cfg, model_cfg) -> None:
     """Start-up checks that need the mesh or the model config: the train batch must split over the mesh's
-    data-parallel size and into the gradient-accumulation micro-batches, max_len must fit the model context."""
+    data-parallel size and into the gradient-accumulation micro-batches, max_len must fit the model context; on TPU,
+    the devices must be the slice the gin files are sized for (SLICE, from gin/hardware/)."""
+    import jax
     from nlac_jax.parallel import sharding
+    from nlac_jax.planning import tpu_specs
+    slice_name = _bound("%SLICE", None)
+    if slice_name is not None:
+        tpu_specs.check_devices(slice_name, jax.devices()[0].platform, jax.device_count())
     mesh = sharding.make_mesh()
     dp = sharding.data_parallel_size(mesh)
     B = loop_cfg.batch_size

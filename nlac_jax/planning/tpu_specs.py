@@ -83,23 +83,39 @@ class Slice:
         return self.chips * self.chip.peak_bf16_flops
 
 
-def parse_slice(name: str) -> Slice:
-    """'v5p-64' -> Slice(v5p, 32 chips, (2, 4, 4)). Raises TopologyError (one line) for anything else."""
+def parse_slice(name: str, what: str = "--topology") -> Slice:
+    """'v5p-64' -> Slice(v5p, 32 chips, (2, 4, 4)). Raises TopologyError (one line, naming `what`: the flag or
+    gin macro the name came from) for anything else."""
     m = re.fullmatch(r"\s*(v\d+[a-z]*)-(\d+)\s*", str(name))
     known = ", ".join(f"{g}-N" for g in CHIPS)
     if not m:
-        raise TopologyError(f"--topology={name!r}: expected a Cloud TPU slice name like v4-32, v5p-64, v5e-256 or "
+        raise TopologyError(f"{what}={name!r}: expected a Cloud TPU slice name like v4-32, v5p-64, v5e-256 or "
                             f"v6e-64 ({known})")
     gen, n = _ALIASES.get(m.group(1), m.group(1)), int(m.group(2))
     if gen not in CHIPS:
-        raise TopologyError(f"--topology={name!r}: unknown TPU generation {m.group(1)!r} (known: {known})")
+        raise TopologyError(f"{what}={name!r}: unknown TPU generation {m.group(1)!r} (known: {known})")
     chip = CHIPS[gen]
     if n % chip.cores_per_chip:
-        raise TopologyError(f"--topology={name!r}: {gen} slice names count TensorCores ({chip.cores_per_chip} per "
+        raise TopologyError(f"{what}={name!r}: {gen} slice names count TensorCores ({chip.cores_per_chip} per "
                             f"chip), so the number must be a multiple of {chip.cores_per_chip}")
     chips = n // chip.cores_per_chip
     shapes = SHAPES_3D if chip.dims == 3 else SHAPES_2D
     if chips not in shapes:
         sizes = ", ".join(f"{gen}-{c * chip.cores_per_chip}" for c in shapes)
-        raise TopologyError(f"--topology={name!r}: no {gen} slice of {chips} chips in the table (known: {sizes})")
+        raise TopologyError(f"{what}={name!r}: no {gen} slice of {chips} chips in the table (known: {sizes})")
     return Slice(f"{gen}-{n}", chip, chips, shapes[chips])
+
+
+def check_devices(name: str, platform: str, count: int) -> None:
+    """Raises TopologyError (one line) when a run whose gin files are sized for the slice `name` (the gin macro SLICE
+    that gin/hardware/*.gin binds: 'cpu' or a Cloud TPU slice name) starts on `count` devices of `platform` that
+    cannot be that slice. A malformed name fails on any platform; counts are compared on TPU only (a TPU run's gin
+    files also load on a CPU: plans, tests with stand-in models). JAX counts one device per chip on every
+    generation in the table (v4 and v5p chips are one megacore device)."""
+    if name == "cpu":
+        return
+    slc = parse_slice(name, what="SLICE")
+    if platform == "tpu" and count != slc.chips:
+        raise TopologyError(f"SLICE = {name!r}: the gin files size this run for {slc.chips} chips, but this job "
+                            f"sees {count} TPU devices; add the gin/hardware/ file of this slice after the run's "
+                            f"gin file (and check it with python -m nlac_jax.plan)")

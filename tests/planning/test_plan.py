@@ -123,6 +123,22 @@ def test_plan_estimate_prints_the_iteration_table_and_compiles_nothing(capsys):
     assert code == 2 and err.count("\n") == 1 and "planning.Workload" in err, err
 
 
+def test_plan_takes_the_slice_from_the_gin_files_and_refuses_another(capsys):
+    """No --topology: the files' SLICE (the estimate's first line names it); another --topology: one line naming
+    the hardware file to add; a CPU run without --topology: one line. Nothing is compiled (--estimate)."""
+    pytest.importorskip("tau2")
+    run = ["--gin_file=gin/runs/qwen2_5_7b_tau_retail.gin", "--cpu-devices=8", "--estimate"]
+    code, out, err = _run_cli(run, capsys)
+    assert code == 0 and out.startswith("v5p-64, mesh {'data': 1, 'fsdp': 2, 'tensor': 4}"), (err, out[:200])
+    code, out, err = _run_cli(run + ["--gin_file=gin/hardware/v4_32.gin"], capsys)
+    assert code == 0 and out.startswith("v4-32,"), (err, out[:200])
+    code, out, err = _run_cli(run + ["--topology=v4-32"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--gin_file=gin/hardware/v4_32.gin" in err \
+        and "SLICE = 'v5p-64'" in err, err
+    code, out, err = _run_cli(["--gin_file=gin/runs/tiny_random_cpu.gin", "--estimate"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--topology is required" in err, err
+
+
 SHARED = ["--gin_param=LoopConfig.sampler_shared_prefix = 16"]
 
 
