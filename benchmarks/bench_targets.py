@@ -3,6 +3,7 @@ those a shared prefix lets us skip, and the train step with and without shared-p
 
     .venv/bin/python benchmarks/bench_targets.py                      # counts + train-step timing (minutes)
     .venv/bin/python benchmarks/bench_targets.py --no-timing          # token counts only (seconds)
+    .venv/bin/python benchmarks/bench_targets.py --tasks 1 --no-timing --time_targets   # the targets phase, timed
 
 Data: the first --tasks τ2 retail train tasks (the real domain policy and tool schemas, from the installed tau2
 package), each played to the end by its gold tool-call script against the real τ2 environment and the scripted
@@ -21,6 +22,12 @@ Reported:
   token trie of all its prompts): the ceiling of a prefix cache kept across calls (not built), and the same
   ceiling within each call (the sum of each call's own trie: a prefix tree per call, no cache kept across calls;
   not built either);
+* with --time_targets, the targets phase's sampler calls (exactly the prompts, sample counts and roles the phase
+  made) replayed through `sampling.Sampler` on a random model of --hidden x --layers, greedy, every row decoding its
+  role's scripted output length (stop tokens off: equal work on every path), three ways side by side in one
+  process: no sharing (`min_shared_prefix=0`), each call's common prefix (the default), and trunks
+  (`trunk_rows=8`). Each path replays the phase once to compile (reported apart), then once timed; the tokens
+  generated must be identical on the three paths;
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
@@ -138,7 +145,52 @@ def targets_phase(transitions, tokenizer, k: int):
                 per_role=per_role,
                 sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
                 sampler_trunks={r: sampler_prefill_tokens(sampler.calls, tokenizer, trunk_rows=r) for r in (4, 8, 16)},
-                seconds=seconds), examples
+                seconds=seconds), examples, sampler.calls
+
+
+SHARING = {"unshared": dict(min_shared_prefix=0), "shared prefix": dict(), "trunks": dict(trunk_rows=8)}
+
+
+def time_targets_phase(calls, tokenizer, a) -> dict:
+    """The phase's sampler calls replayed through a `Sampler` per sharing mode (SHARING), same model and process:
+    per mode the compile pass's and the timed pass's seconds, prompt tokens presented and prefilled, and the
+    generated tokens (which must agree across modes). Greedy; each row decodes its role's scripted output length."""
+    import jax
+    import numpy as np
+
+    from nlac_jax import models, sampling, text
+    from nlac_jax.parallel import sharding
+    cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                             num_layers=a.layers, num_heads=a.heads, num_kv_heads=max(1, a.heads // 2),
+                             head_dim=a.hidden // a.heads, dtype="bfloat16", param_dtype="float32",
+                             max_position_embeddings=4 * a.max_len)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    params = models.init_params(cfg, seed=0)
+    budget = {r: len(tokenizer.encode(t)) for r, t in scripted_texts().items()}
+    replay = [([text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in c.messages_batch], c.n,
+               budget[c.role]) for c in calls]
+    out = {}
+    for name, kw in SHARING.items():
+        sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=a.slots, **kw)
+        passes = []
+        for _ in range(2):  # the first pass compiles every executable the phase needs; the second is timed
+            t0, presented, prefilled, tokens = time.perf_counter(), 0, 0, []
+            for prompts, n, new in replay:
+                r = sampler.generate(params, prompts, max_new_tokens=new, stop_token_ids=(), slots=a.slots, n=n)
+                presented += n * sum(map(len, prompts))
+                prefilled += int(r.prefill_tokens)
+                tokens.append(np.asarray(r.tokens))
+            passes.append(time.perf_counter() - t0)
+        out[name] = dict(compile_pass_s=passes[0], seconds=passes[1], presented=presented, prefilled=prefilled,
+                         generated=int(sum(t.size for t in tokens)), tokens=tokens)
+        print(f"  {name:14s} {passes[1]:8.1f} s (first pass, compiling: {passes[0]:.0f} s), prefilled "
+              f"{prefilled:,} of {presented:,} prompt tokens ({prefilled / presented:.1%})", flush=True)
+    ref = out["unshared"].pop("tokens")
+    for name in list(SHARING)[1:]:
+        got = out[name].pop("tokens")
+        out[name]["same_tokens"] = all(np.array_equal(x, y) for x, y in zip(ref, got))
+    out["params"] = cfg.num_params
+    return out
 
 
 def workload(transitions, tokenizer, sampler_texts: dict, phase: dict, k: int) -> dict:
@@ -259,6 +311,12 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
     return out
 
 
+def cpu_flags() -> list[str]:
+    """The CPU flags that matter to XLA:CPU's matmuls, as /proc/cpuinfo lists them."""
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
+    return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=4)
@@ -276,6 +334,10 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--time_targets", action="store_true",
+                   help="also time the targets phase's sampler calls without sharing, with each call's shared "
+                        "prefix and with trunks (random model of --hidden x --layers; minutes: try --tasks 1)")
+    p.add_argument("--slots", type=int, default=16, help="sampler rows per call (LoopConfig.sampler_max_batch)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
 
@@ -287,7 +349,7 @@ def main(argv=None) -> int:
     print(f"data: {a.tasks} retail tasks, {len(transitions)} transitions (gold scripts, real tool outputs); "
           f"tokenizer: {a.vocab} entries, the domain's system prompt = {chars} chars = {toks} tokens "
           f"({chars / max(toks, 1):.1f} chars/token)")
-    phase, examples = targets_phase(transitions, tok, a.k)
+    phase, examples, calls = targets_phase(transitions, tok, a.k)
     w = workload(transitions, tok, scripted_texts(), phase, a.k)
     print("workload (planning.Workload, the planner's per-iteration estimate; gin/tasks/tau_retail.gin): "
           + ", ".join(f"{k} = {v}" for k, v in w.items()))
@@ -307,9 +369,22 @@ def main(argv=None) -> int:
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
           f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
+    if a.time_targets:
+        import jax
+        print(f"\ntargets phase, timed ({jax.devices()[0].platform}, {os.cpu_count()} cores, flags "
+              f"{' '.join(cpu_flags())}; random model hidden {a.hidden} x {a.layers} layers, bf16 compute, "
+              f"{a.slots} slots, greedy, each role's scripted output length):", flush=True)
+        t = time_targets_phase(calls, tok, a)
+        u = t["unshared"]["seconds"]
+        for name in list(SHARING)[1:]:
+            print(f"  {name}: {u / t[name]['seconds']:.2f}x the unshared path; generated tokens identical: "
+                  f"{t[name]['same_tokens']}")
+        res_targets = t
     row_len = a.row_len or 2 * a.max_len
     lay = layouts(examples, tok, a.max_len, a.batch_size, 1, row_len)
     res = {"args": vars(a), "workload": w, "targets_phase": phase, "train": {}}
+    if a.time_targets:
+        res["targets_phase_timed"] = res_targets
     print(f"\ntrain step: {len(examples)} examples, batch_size {a.batch_size}, max_len {a.max_len}, packed rows "
           f"<= {row_len} tokens")
     report_layouts(lay, res)
@@ -317,8 +392,7 @@ def main(argv=None) -> int:
           "causal half), relative to unpacked")
     if a.timing:
         import jax
-        flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
-        keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+        keep = cpu_flags()
         a.max_len = a.timing_max_len
         lay = layouts(examples, tok, a.timing_max_len, a.timing_batch_size, 1, 2 * a.timing_max_len)
         print(f"\ntimed layouts (max_len {a.timing_max_len}, batch_size {a.timing_batch_size}; longer examples "

@@ -189,11 +189,12 @@ def main(argv=None) -> int:
         from nlac_jax.planning import iteration
         from nlac_jax.runner import building
         cfg, _, _ = building.build_model()
-        work, rows, note = planner.iteration_estimate(slc, cfg, sharding.make_mesh(devices=devices))
+        mesh = sharding.make_mesh(devices=devices)
+        work, rows, note = planner.iteration_estimate(slc, cfg, mesh)
         if not rows:
             raise cli.UsageError("--estimate needs a task gin that states planning.Workload (e.g. "
                                  "gin/tasks/tau_retail.gin): none is bound")
-        print(f"{slc.name}, mesh {dict(sharding.make_mesh(devices=devices).shape)}: "
+        print(f"{slc.name}, mesh {dict(mesh.shape)}: "
               f"{iteration.report(rows, work)}\nnote: {note}", flush=True)
         return 0
     if flags.serve:

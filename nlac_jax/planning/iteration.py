@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import gin
 
@@ -111,7 +112,7 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     ``rs``, ``tcfg``: LoopConfig, RoleSampling, TargetConfig; ``mesh_shape``: axis name -> size."""
     rows = {p: dict(phase=p, prompts=0.0, presented=0.0, computed=0.0, computed_shared=0.0, generated=0.0,
                     flops=0.0, flops_shared=0.0, seconds=0.0, seconds_shared=0.0) for p in PHASES}
-    mesh = _Mesh(mesh_shape)
+    mesh = types.SimpleNamespace(shape=dict(mesh_shape))  # what footprint's byte counts read of a mesh
     for c in calls(loop, rs, tcfg, w):
         if c.prompts <= 0:
             continue
@@ -160,13 +161,6 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     t["seconds_shared"] = t["flops_shared"] / (chips * peak_flops)
     total = dict(phase="total", **{k: sum(rows[p][k] for p in PHASES) for k in rows["train"] if k != "phase"})
     return [rows[p] for p in PHASES] + [total]
-
-
-class _Mesh:
-    """The mesh's axis sizes, as `footprint.decode_step_hbm_bytes` reads them (``mesh.shape``)."""
-
-    def __init__(self, shape: dict):
-        self.shape = dict(shape)
 
 
 def report(rows: list[dict], w: Workload) -> str:
