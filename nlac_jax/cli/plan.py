@@ -131,7 +131,7 @@ def _slice(flags) -> tpu_specs.Slice:
     its --topology alone counts."""
     from nlac_jax.planning import planner
     sized_for = None if flags.serve else planner.gin_value("%SLICE", None)
-    files = ", ".join(flags.gin_file)
+    files, one = ", ".join(flags.gin_file), len(flags.gin_file) == 1
     try:
         sized = None if sized_for in (None, "cpu") else tpu_specs.parse_slice(sized_for, what="SLICE")
         asked = None if flags.topology is None else tpu_specs.parse_slice(flags.topology)
@@ -139,13 +139,13 @@ def _slice(flags) -> tpu_specs.Slice:
         raise cli.UsageError(f"{files}: {e}" if "SLICE" in str(e) else str(e)) from None
     if asked is None:
         if sized is None:
-            raise cli.UsageError(f"--topology is required: {files} bind no TPU SLICE (a run's gin/hardware/ file "
+            raise cli.UsageError(f"--topology is required: {files} {'binds' if one else 'bind'} no TPU SLICE (a run's gin/hardware/ file "
                                  f"does{'; cpu.gin sizes a CPU run' if sized_for == 'cpu' else ''})")
         return sized
     if sized is not None and asked.name != sized.name:
-        raise cli.UsageError(f"--topology={flags.topology} but {files} {'is' if len(flags.gin_file) == 1 else 'are'} "
+        raise cli.UsageError(f"--topology={flags.topology} but {files} {'is' if one else 'are'} "
                              f"sized for SLICE = {sized_for!r}: add "
-                             f"--gin_file=gin/hardware/{asked.name.replace('-', '_')}.gin after them (or write that "
+                             f"--gin_file=gin/hardware/{asked.name.replace('-', '_')}.gin after {'it' if one else 'them'} (or write that "
                              f"slice's file from one in gin/hardware/)")
     return asked
 
