@@ -139,14 +139,15 @@ def _slice(flags) -> tpu_specs.Slice:
         raise cli.UsageError(f"{files}: {e}" if "SLICE" in str(e) else str(e)) from None
     if asked is None:
         if sized is None:
-            raise cli.UsageError(f"--topology is required: {files} {'binds' if one else 'bind'} no TPU SLICE (a run's gin/hardware/ file "
-                                 f"does{'; cpu.gin sizes a CPU run' if sized_for == 'cpu' else ''})")
+            raise cli.UsageError(f"--topology is required: {files} {'binds' if one else 'bind'} no TPU SLICE (a "
+                                 f"run's gin/hardware/ file does"
+                                 f"{'; cpu.gin sizes a CPU run' if sized_for == 'cpu' else ''})")
         return sized
     if sized is not None and asked.name != sized.name:
         raise cli.UsageError(f"--topology={flags.topology} but {files} {'is' if one else 'are'} "
                              f"sized for SLICE = {sized_for!r}: add "
-                             f"--gin_file=gin/hardware/{asked.name.replace('-', '_')}.gin after {'it' if one else 'them'} (or write that "
-                             f"slice's file from one in gin/hardware/)")
+                             f"--gin_file=gin/hardware/{asked.name.replace('-', '_')}.gin after "
+                             f"{'it' if one else 'them'} (or write that slice's file from one in gin/hardware/)")
     return asked
 
 
