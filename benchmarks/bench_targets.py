@@ -369,6 +369,7 @@ def main(argv=None) -> int:
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
           f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
+    res = {"args": vars(a), "workload": w, "targets_phase": phase, "train": {}}
     if a.time_targets:
         import jax
         print(f"\ntargets phase, timed ({jax.devices()[0].platform}, {os.cpu_count()} cores, flags "
@@ -379,12 +380,9 @@ def main(argv=None) -> int:
         for name in list(SHARING)[1:]:
             print(f"  {name}: {u / t[name]['seconds']:.2f}x the unshared path; generated tokens identical: "
                   f"{t[name]['same_tokens']}")
-        res_targets = t
+        res["targets_phase_timed"] = t
     row_len = a.row_len or 2 * a.max_len
     lay = layouts(examples, tok, a.max_len, a.batch_size, 1, row_len)
-    res = {"args": vars(a), "workload": w, "targets_phase": phase, "train": {}}
-    if a.time_targets:
-        res["targets_phase_timed"] = res_targets
     print(f"\ntrain step: {len(examples)} examples, batch_size {a.batch_size}, max_len {a.max_len}, packed rows "
           f"<= {row_len} tokens")
     report_layouts(lay, res)

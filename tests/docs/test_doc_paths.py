@@ -32,6 +32,6 @@ def test_every_named_gin_file_exists():
     assert not missing, f"gin files named but not in the repo: {missing}"
 
 
-def test_the_scan_finds_a_missing_file(tmp_path):
+def test_the_scan_finds_a_missing_file():
     text = "python -m nlac_jax.plan --gin_file=gin/runs/qwen2_5_7b_tau_retail_v4_32.gin; gin/runs/{a,b}.gin"
     assert GIN_PATH.findall(text) == ["gin/runs/qwen2_5_7b_tau_retail_v4_32.gin"]
