@@ -16,9 +16,16 @@ COMPILE_FAST = "--xla_backend_optimization_level=0"
 # multi-process runs: they never use the cache (nlac_jax/train.py, enable_compilation_cache), so every one of them
 # compiles everything, and a 2-process run cost 187 CPU seconds at -O0, 237 at -O1.
 LOOP_RUN = "--xla_backend_optimization_level=1"
+# XLA:CPU's MLIR fusion emitters (on by default in this jaxlib) compile a small program about twice as slowly as the
+# older LLVM-IR emitters: tests/training/test_train_step.py, 18 tests from an empty cache, 2 cores (AMD EPYC): 73-78 s
+# with them, 39-43 s without; a 2-iteration 1-device loop run at -O1, 102 s -> 90 s. Every test process gets it, so
+# the programs whose numbers tests compare are still compiled alike; runs and benchmarks outside the tests keep
+# XLA's default.
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def xla_flags(devices: int, loop_run: bool = False) -> str:
     """XLA_FLAGS for a process with `devices` simulated CPU devices; loop_run: for a 1-process run of the training
     loop that reuses its programs from the persistent cache (LOOP_RUN instead of COMPILE_FAST)."""
-    return f"--xla_force_host_platform_device_count={devices} {LOOP_RUN if loop_run else COMPILE_FAST}"
+    return (f"--xla_force_host_platform_device_count={devices} {LOOP_RUN if loop_run else COMPILE_FAST} "
+            f"{LEGACY_EMITTERS}")
