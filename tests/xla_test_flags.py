@@ -13,7 +13,7 @@ COMPILE_FAST = "--xla_backend_optimization_level=0"
 # takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and compiles a little slower than -O0.
 # Measured on 2 loaded cores, test_multihost's 1-process reference run, CPU seconds from an empty / a warm
 # compilation cache: -O0 85-94 / 41, -O1 88-104 / 21, -O2 103 / 25 (-O2 compiles with more threads). Not for
-# multi-process runs: they never use the cache (nlac_jax/train.py, enable_compilation_cache), so every one of them
+# multi-process runs: they never use the cache (nlac_jax/cli/setup.py, enable_compilation_cache), so every one of them
 # compiles everything, and a 2-process run cost 187 CPU seconds at -O0, 237 at -O1.
 LOOP_RUN = "--xla_backend_optimization_level=1"
 # XLA:CPU's MLIR fusion emitters (on by default in this jaxlib) compile a small program about twice as slowly as the
