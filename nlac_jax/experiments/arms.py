@@ -50,7 +50,7 @@ import numpy as np
 from nlac_jax.training import batching
 from nlac_jax.envs.base import BatchedRunner, Task
 from nlac_jax.nlac import critic_scores, evaluation, targets
-from nlac_jax.nlac.algorithm import NLAC, FutureSummary, MonteCarloNLAC
+from nlac_jax.nlac.algorithm import NLAC, FutureSummary, MonteCarloNLAC, buffer_batch
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, strip_think
 from nlac_jax.rl.roles import check_samples, group
 from nlac_jax.rl.transitions import transitions_from_episode
@@ -179,8 +179,7 @@ class NLQL(NLAC):
     name: str = "nlql"
 
     def policy_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
-        size = len(run.buffer)
-        batch = run.buffer.sample(min(n, size), rng) if n and size else []
+        batch = buffer_batch(run, n, rng)
         if not batch:
             return []
         N = int(self.candidates)

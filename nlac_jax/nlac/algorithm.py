@@ -67,6 +67,18 @@ def freeze_params(params):
     return _tree_copy()(params)
 
 
+def buffer_batch(run: Any, n: int, rng) -> list:
+    """Up to `n` buffer transitions for one kind of example: uniform, or in blocks of one episode's consecutive
+    transitions (`LoopConfig.buffer_episode_blocks`); [] from an empty buffer."""
+    size = len(run.buffer)
+    if not n or not size:
+        return []
+    block = run.loop.buffer_episode_blocks
+    if block <= 1:  # the uniform draw, exactly as before blocks existed (every seed's batches unchanged)
+        return run.buffer.sample(min(n, size), rng)
+    return run.buffer.sample_blocks(min(n, size), block, rng)
+
+
 @dataclasses.dataclass
 class NLAC:
     """The NLAC learner: replay buffer → Bellman targets (θ̄) + critique-and-refine targets (θ).
@@ -107,14 +119,12 @@ class NLAC:
 
     def critic_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
         """L1: `n` buffer transitions -> language Bellman backups (targets.build_critic_examples)."""
-        size = len(run.buffer)
-        batch = run.buffer.sample(min(n, size), rng) if n and size else []
+        batch = buffer_batch(run, n, rng)
         return targets.build_critic_examples(batch, run.roles, cfg, run.prompts, stats)
 
     def policy_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
         """L2: `n` buffer states -> critique + refinement (targets.build_policy_examples)."""
-        size = len(run.buffer)
-        batch = run.buffer.sample(min(n, size), rng) if n and size else []
+        batch = buffer_batch(run, n, rng)
         return targets.build_policy_examples(batch, run.roles, cfg, run.prompts, stats)
 
     def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict

@@ -4,9 +4,11 @@ The planner (`planner.make_plan`) compiles every executable and sizes its memory
 an iteration asks of them. It counts the prompts each phase presents to the sampler (rollouts; the critic's
 three calls per non-terminal transition; the policy targets' action, k futures, critique and m refinements), their
 tokens as presented and as computed when each sampler call prefills its prompts' common prefix once (what
-`LoopConfig.sampler_shared_prefix` does; trunks go further and are not counted), the tokens generated, and the
-train step's tokens unpacked (every example padded to `max_len`) or packed with shared prefixes
-(`LoopConfig.share_prefixes`). FLOPs are `footprint`'s analytic counts; seconds are roofline bounds (100% of peak,
+`LoopConfig.sampler_shared_prefix` does) and, with `LoopConfig.sampler_trunk_rows`, the trunks of the targets
+phases' calls (`block_trunks`: states of one episode, which uniform draws from a pod's buffer almost never give, so
+only with `LoopConfig.buffer_episode_blocks`), the tokens generated, and the train step's tokens unpacked (every
+example padded to `max_len`) or packed with shared prefixes (`LoopConfig.share_prefixes`; within blocks, the
+episode's transcript too). FLOPs are `footprint`'s analytic counts; seconds are roofline bounds (100% of peak,
 no communication, decode bound by reading the weights and the cache each step): lower bounds, for comparing
 configurations, not predictions.
 
@@ -24,6 +26,7 @@ import types
 import gin
 
 from nlac_jax.planning import footprint
+from nlac_jax.text.shapes import bucket_floor, bucket_length
 
 PHASES = ("rollouts", "critic targets", "policy targets", "train")
 
@@ -69,6 +72,8 @@ class Call:
     length: float
     new: int
     samples: int = 1
+    draws: int = 0  # buffer transitions the prompts come from (0: not from the buffer: rollouts)
+    next_state: bool = False  # the prompts are the draws' next states s_{t+1} (the critic's targets)
 
 
 def mean_state_tokens(w: Workload) -> float:
@@ -85,18 +90,68 @@ def calls(loop, rs, tcfg, w: Workload) -> list[Call]:
     r = w.role_tokens
     nonterminal = loop.critic_examples * (w.turns - 1) / w.turns
     k, m = tcfg.k_futures, tcfg.m_refinements
+    nc, npol = loop.critic_examples, loop.policy_examples
     out = [Call("rollouts", "policy", loop.episodes_per_iteration * w.turns, state, act),
            # L1: a_{t+1} ~ π(s_{t+1}); d_{t+1} ~ M_θ̄(s_{t+1}, a_{t+1}); the backup reads r_t, o_{t+1} and d_{t+1}
-           Call("critic targets", "policy", nonterminal, state + w.turn_tokens, act),
-           Call("critic targets", "successor", nonterminal, state + w.turn_tokens + act + r, summ),
-           Call("critic targets", "backup", nonterminal, state + w.turn_tokens + summ + r, summ)]
+           Call("critic targets", "policy", nonterminal, state + w.turn_tokens, act, draws=nc, next_state=True),
+           Call("critic targets", "successor", nonterminal, state + w.turn_tokens + act + r, summ, draws=nc,
+                next_state=True),
+           Call("critic targets", "backup", nonterminal, state + w.turn_tokens + summ + r, summ, draws=nc,
+                next_state=True)]
     if not tcfg.use_buffer_action:
-        out.append(Call("policy targets", "policy", loop.policy_examples, state, act))
+        out.append(Call("policy targets", "policy", npol, state, act, draws=npol))
     if not tcfg.ablate_critique:
-        out += [Call("policy targets", "successor", loop.policy_examples, state + act + r, summ, samples=k),
-                Call("policy targets", "evaluator", loop.policy_examples, state + act + k * summ + r, crit)]
-    out += [Call("policy targets", "refiner", loop.policy_examples, state + act + crit + r, act) for _ in range(m)]
+        out += [Call("policy targets", "successor", npol, state + act + r, summ, samples=k, draws=npol),
+                Call("policy targets", "evaluator", npol, state + act + k * summ + r, crit, draws=npol)]
+    out += [Call("policy targets", "refiner", npol, state + act + crit + r, act, draws=npol) for _ in range(m)]
     return out
+
+
+def block_trunks(w: Workload, block: int, next_state: bool = False, width: float = math.inf,
+                 minimum: int = 1) -> tuple[float, float, int]:
+    """(transcript tokens computed once instead of per prompt, prefix groups; both per buffer transition drawn in
+    blocks of `block` consecutive transitions of one episode (`ReplayBuffer.sample_blocks`: each episode tiled from
+    its first transition, every transition equally likely). Episodes have floor(turns) and ceil(turns)
+    transitions, mixed to the mean `turns`. State s_t holds t turns (t * turn_tokens) after the shared head; one
+    block's states share the earliest one's transcript, so a group (`sampling.plan_trunks`: the members keeping at
+    least `minimum` tokens, two or more) prefills its longest kept transcript once and each member keeps its own,
+    cut to the trunk `width`; the deepest transcript of a prompt in no group). next_state: the prompts are
+    s_{t+1} of the non-terminal transitions (the critic's targets). Train-step packing shares the same transcripts
+    with no width (the default). The last block of a draw, cut to make n, is not modelled."""
+    if block <= 1 or not w.turn_tokens:
+        return 0.0, 0.0, w.turn_tokens * (math.ceil(w.turns) - 1)
+    lo = math.floor(w.turns)
+    mix = [(lo, 1.0 - (w.turns - lo))] + ([(lo + 1, w.turns - lo)] if w.turns > lo else [])
+    saved = groups = 0.0
+    alone = 0
+    for L, p_episode in mix:
+        share = p_episode * L / w.turns  # the chance a drawn transition is in an episode of L transitions
+        s = g = 0.0
+        for start in range(0, L, block):
+            ts = [t for t in range(start, min(L, start + block)) if not (next_state and t == L - 1)]
+            depth = [w.turn_tokens * (t + next_state) for t in ts]
+            kept = [min(x, width) for x in depth if x >= minimum]
+            if len(kept) >= 2:
+                s += sum(kept) - max(kept)
+                g += 1
+            else:
+                alone = max([alone] + depth)
+        if p_episode > 0:
+            saved += share * s / L
+            groups += share * g / L
+    return saved, groups, alone
+
+
+def trunk_width(w: Workload, suffix: float, deepest: int, alone: int, minimum: int) -> int:
+    """The trunk width (`sampling.plan_trunks`) of a targets-phase call whose prompts are a state, then `suffix`
+    tokens of their own: the deepest trunk (`deepest` transcript tokens and its suffix, less the one token it
+    prefills itself), limited so that the longest prompt in no group (`alone` transcript tokens: a block of one
+    state, or any state when there are more groups than trunk rows) still fits the slots after the trunk (the
+    call's prompt bucket less the head), rounded down to the trunk grid; 0 when under `minimum` (no trunks)."""
+    longest = int(round(deepest + suffix))
+    rest_slots = bucket_length(w.shared_tokens + longest, 16, fine=True) - w.shared_tokens
+    fit = min(longest - 1, rest_slots - int(round(alone + suffix)))
+    return bucket_floor(fit, minimum, 2) if fit >= minimum else 0
 
 
 def _prefill_flops(cfg, tokens: float, first_key: float) -> float:
@@ -113,6 +168,14 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     rows = {p: dict(phase=p, prompts=0.0, presented=0.0, computed=0.0, computed_shared=0.0, generated=0.0,
                     flops=0.0, flops_shared=0.0, seconds=0.0, seconds_shared=0.0) for p in PHASES}
     mesh = types.SimpleNamespace(shape=dict(mesh_shape))  # what footprint's byte counts read of a mesh
+    block = loop.buffer_episode_blocks
+    # trunks: a role call's groups get at most sampler_trunk_rows trunks (rounded up to the data-parallel degree, as
+    # the Sampler does)
+    dp = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp"))
+    trunk_rows = -(-loop.sampler_trunk_rows // dp) * dp
+    min_trunk = max(1, loop.sampler_shared_prefix)
+    deepest = w.turn_tokens * (math.ceil(w.turns) - 1)  # the transcript of an episode's last state
+    state = mean_state_tokens(w)
     for c in calls(loop, rs, tcfg, w):
         if c.prompts <= 0:
             continue
@@ -122,6 +185,18 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
         plain = c.prompts * _prefill_flops(cfg, c.length, 0)
         with_shared = n_calls * _prefill_flops(cfg, shared, 0) + c.prompts * _prefill_flops(cfg, c.length - shared,
                                                                                           shared)
+        trunked = 0.0  # transcript tokens the call's trunks compute once
+        if trunk_rows and c.draws and block > 1:
+            _, groups, alone = block_trunks(w, block, c.next_state, minimum=min_trunk)
+            if groups * c.draws > trunk_rows:  # groups left without a trunk: any state may be alone
+                alone = deepest
+            width = trunk_width(w, c.length - state - c.next_state * w.turn_tokens, deepest, alone, min_trunk)
+            per_draw = block_trunks(w, block, c.next_state, width, min_trunk)[0] if width else 0.0
+            trunked = per_draw * c.draws * min(1.0, trunk_rows / max(groups * c.draws, 1e-9))
+            if trunked < 0.2 * c.prompts * (c.length - shared):  # plan_trunks' min_gain: no trunk call
+                trunked = 0.0
+            # the skipped tokens sit right after the head: their FLOPs at that depth
+            with_shared -= c.prompts * _prefill_flops(cfg, trunked / c.prompts, shared)
         # decode: every sample's tokens; time per step bound by reading weights + this call's cache rows
         gen = c.prompts * c.samples * c.new
         dflops = gen * footprint.decode_flops_per_token(cfg, int(c.length + c.new / 2))
@@ -134,7 +209,7 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
         r["prompts"] += c.prompts
         r["presented"] += c.prompts * c.length
         r["computed"] += c.prompts * c.length
-        r["computed_shared"] += n_calls * shared + c.prompts * (c.length - shared)
+        r["computed_shared"] += n_calls * shared + c.prompts * (c.length - shared) - trunked
         r["generated"] += gen
         r["flops"] += plain + dflops
         r["flops_shared"] += with_shared + dflops
@@ -153,6 +228,7 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     t["presented"] = sum(n * min(L, T) for n, L in examples)
     t["computed"] = math.ceil(n_ex / B) * B * T  # padded slots
     tail = sum(n * max(0.0, min(L, T) - w.shared_tokens) for n, L in examples)
+    tail -= n_ex * block_trunks(w, block)[0]  # within a block, one episode's transcript once
     packed_rows = math.ceil(tail / max(1.0, T - w.shared_tokens)) if T > w.shared_tokens else n_ex
     t["computed_shared"] = math.ceil(packed_rows / B) * B * T
     t["flops"] = footprint.train_step_flops(cfg, B, T, 0) * math.ceil(n_ex / B)

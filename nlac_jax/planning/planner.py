@@ -430,9 +430,15 @@ def iteration_estimate(slc: tpu_specs.Slice, cfg, mesh) -> tuple:
         return work, [], ""
     rows = iteration.estimate(cfg, loop, RoleSampling(), TargetConfig(), work, slc.chips, slc.chip.peak_bf16_flops,
                               slc.chip.hbm_bandwidth, dict(mesh.shape))
+    trunks = (f"trunks (LoopConfig.sampler_trunk_rows = {loop.sampler_trunk_rows}) over blocks of "
+              f"LoopConfig.buffer_episode_blocks = {loop.buffer_episode_blocks} transitions of one episode"
+              if loop.sampler_trunk_rows and loop.buffer_episode_blocks > 1 else
+              f"no trunks (they need LoopConfig.sampler_trunk_rows > 0, now {loop.sampler_trunk_rows}, and "
+              f"LoopConfig.buffer_episode_blocks > 1, now {loop.buffer_episode_blocks}: uniform draws from the buffer "
+              f"rarely share an episode)")
     return work, rows, (f"the per-iteration estimate's shared column is what the sampler's per-call shared prefix "
-                        f"(LoopConfig.sampler_shared_prefix = {loop.sampler_shared_prefix}) and train-row packing "
-                        f"(LoopConfig.share_prefixes = {loop.share_prefixes}) compute; trunks would compute less")
+                        f"(LoopConfig.sampler_shared_prefix = {loop.sampler_shared_prefix}), {trunks}, and train-row "
+                        f"packing (LoopConfig.share_prefixes = {loop.share_prefixes}) compute")
 
 
 # ----------------------------------------------------------------------------- the judge server's plan (--serve)

@@ -1,7 +1,8 @@
 """A FIFO replay buffer of one-step :class:`~nlac_jax.envs.transition.Transition` s.
 
 NLAC's critic is trained off-policy from one-step transitions (design §1), so the buffer only needs uniform
-sampling, FIFO eviction and a compact form for checkpoints. It lives in host memory as Python objects.
+sampling (or blocks of one episode's transitions, for prefix sharing), FIFO eviction and a compact form for
+checkpoints. It lives in host memory as Python objects.
 
 Storage: each episode's messages are held once; a transition is a reference into them (``buffer_segments.Ref``:
 its state is the first ``state_len`` messages of one stored episode, its next state a prefix of one too). ``add``
@@ -25,6 +26,9 @@ Sampling semantics (``sample(n, seed)``):
     transition), WITH replacement otherwise (so a call always returns exactly ``n`` items, even from a small
     buffer early in training).
   * ``replace=True`` / ``False`` force one mode (``False`` with ``n > len`` raises).
+  * ``sample_blocks(n, block, seed)``: ``n`` distinct transitions in blocks of up to ``block`` consecutive
+    transitions of one stored episode (``LoopConfig.buffer_episode_blocks``), each transition about equally
+    likely: a batch whose states share their episodes' transcripts, for the sampler's trunks.
   * The result depends only on the buffer contents and the seed: the same seed gives the same batch,
     different seeds give (almost surely) different batches. The seed is an ``int``, a ``numpy`` Generator,
     or a JAX PRNG key (raw ``uint32[2]`` or typed ``jax.random.key``), which is converted to integers so the
@@ -222,6 +226,40 @@ class ReplayBuffer:
     def sample(self, n: int, key_or_seed: Any, replace: bool | None = None) -> list[Transition]:
         """``n`` transitions drawn uniformly; without replacement when ``n <= len(self)`` unless ``replace``."""
         return [self._view(self._items[int(i)]) for i in self.sample_indices(n, key_or_seed, replace)]
+
+    def block_indices(self, n: int, block: int, key_or_seed: Any) -> np.ndarray:
+        """Indices (0 = oldest) of ``n <= len(self)`` distinct transitions drawn in blocks of up to ``block``
+        consecutive transitions whose states live in one stored episode (so each block's states are prefixes of
+        the longest one: what the sampler's trunks and the train step's prefix packing compute once). Each stored
+        episode's transitions are tiled into blocks from its first one, and blocks are drawn uniformly without
+        replacement until ``n`` transitions are in (the last one drawn cut to a random window of it to make ``n``):
+        each block is equally likely to be in the sample, so each transition is about equally likely (a draw
+        weighted by block size would favour long episodes' transitions). Returned block by block, each in
+        order. ``block <= 1`` is :meth:`sample_indices` without replacement. Depends only on the contents and the
+        seed."""
+        size = len(self._items)
+        if block <= 1:
+            return self.sample_indices(n, key_or_seed, replace=False)
+        if not 0 <= n <= size:
+            raise ValueError(f"cannot sample {n} transitions in blocks from {size}")
+        by_episode: dict[int, list[int]] = {}
+        for i, r in enumerate(self._items):
+            by_episode.setdefault(r.state_episode, []).append(i)
+        blocks = [ix[j:j + block] for ix in by_episode.values() for j in range(0, len(ix), block)]
+        rng = rng_from_seed(key_or_seed)
+        out: list[int] = []
+        for b in rng.permutation(len(blocks)):
+            need = n - len(out)
+            if need <= 0:
+                break
+            blk = blocks[b]
+            at = int(rng.integers(0, len(blk) - need + 1)) if need < len(blk) else 0  # a cut block: a random window
+            out.extend(blk[at:at + need])
+        return np.asarray(out, np.int64)
+
+    def sample_blocks(self, n: int, block: int, key_or_seed: Any) -> list[Transition]:
+        """``n`` distinct transitions in blocks of one episode's consecutive transitions (:meth:`block_indices`)."""
+        return [self._view(self._items[int(i)]) for i in self.block_indices(n, block, key_or_seed)]
 
     def stats(self) -> dict[str, float]:
         """Counters for logging."""

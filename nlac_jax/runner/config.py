@@ -20,6 +20,12 @@ class LoopConfig:
       all processes (each of P processes builds ceil(env_pool / P) and plays its share of the tasks).
     buffer_capacity: replay buffer size (FIFO).
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each kind.
+    buffer_episode_blocks: 1 (the default) samples them uniformly; B > 1 draws them in blocks of up to B
+      consecutive transitions of one episode (`ReplayBuffer.sample_blocks`; each transition still about equally
+      likely), so a batch's states share their episodes' transcripts: what `sampler_trunk_rows` and
+      `share_prefixes` compute once. From a pod run's 100k-transition buffer, uniform draws of 512 almost never
+      share an episode. The price: a batch holds B correlated states per episode (`plan --estimate` shows the
+      saving).
     train_steps: optimiser steps per iteration. None = one pass over the iteration's fresh targets
       (ceil(examples / batch_size) steps, the last batch partly padding); an integer cycles through the shuffled
       examples for that many steps (so each target is reused train_steps * batch_size / examples times, logged as
@@ -61,6 +67,7 @@ class LoopConfig:
     env_pool: int = 8
     max_turns: int | None = None
     buffer_capacity: int = 10_000
+    buffer_episode_blocks: int = 1
     critic_examples: int = 8
     policy_examples: int = 8
     train_steps: int | None = 2
@@ -87,7 +94,8 @@ class LoopConfig:
     def __post_init__(self):
         # checked at start-up (setup.load_gin builds a LoopConfig): a bad value is refused by name before anything
         # is built, not hours later where it is first used
-        at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "batch_size", "max_len",
+        at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "buffer_episode_blocks",
+                      "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
                       "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix",

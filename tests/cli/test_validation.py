@@ -27,7 +27,7 @@ TINY_CFG = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
     ("iterations", 2.5, TypeError), ("iterations", True, TypeError), ("batch_size", 0, ValueError),
     ("episodes_per_iteration", None, TypeError), ("seed", -1, ValueError), ("eval_episodes", -2, ValueError),
     ("train_steps", 0, ValueError), ("max_turns", "3", TypeError), ("keep_checkpoints", 0, ValueError),
-    ("export_hf", "yes", TypeError), ("seqio_task", 3, TypeError),
+    ("export_hf", "yes", TypeError), ("seqio_task", 3, TypeError), ("buffer_episode_blocks", 0, ValueError),
 ])
 def test_loop_config_refuses_bad_values_by_name(field, value, exc):
     with pytest.raises(exc) as e:

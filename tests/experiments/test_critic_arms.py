@@ -148,6 +148,7 @@ def _toy_episode(target, guesses, n=8):
 def _fake_run(roles, params=None, critic=4, policy=4):
     from nlac_jax.nlac.targets import TargetConfig
     lc = types.SimpleNamespace(critic_examples=critic, policy_examples=policy, dump_examples=1, buffer_capacity=100,
+                               buffer_episode_blocks=1,
                                episodes_per_iteration=2)
     return types.SimpleNamespace(loop=lc, prompts=PS, roles=roles, target_cfg=TargetConfig(),
                                  buffer=ReplayBuffer(100), env_name="toy",
@@ -180,6 +181,26 @@ def test_frozen_critic_arm_serves_successor_and_evaluator_from_the_warm_start_an
     with roles.routing(*no_l1.routing()):
         no_l1.examples(run, 0, [], trs, np.random.default_rng(0), {})
     assert {c.served for c in roles.calls_for("successor")} == {"policy"}
+
+
+def test_buffer_episode_blocks_choose_every_learners_transitions(monkeypatch):
+    run = _fake_run(_nlac_roles())
+    for target in (4, 6, 3):  # linear search: episodes of 4, 6 and 3 transitions
+        run.buffer.add(_toy_episode(target, list(range(1, target + 1)))[1])
+    rng = lambda: np.random.default_rng(11)  # noqa: E731
+    assert [t.action for t in algorithm.buffer_batch(run, 5, rng())] == [t.action for t in run.buffer.sample(5, rng())]
+    run.loop.buffer_episode_blocks = 2
+    got = algorithm.buffer_batch(run, 5, rng())
+    assert [(t.task, t.action) for t in got] == [(t.task, t.action) for t in run.buffer.sample_blocks(5, 2, rng())]
+    assert algorithm.buffer_batch(run, 0, rng()) == [] and algorithm.buffer_batch(run, 99, rng()) != []
+    # NLAC's both kinds and NLQL's policy side draw through it
+    seen = []
+    monkeypatch.setattr(algorithm, "buffer_batch", lambda r, n, g: seen.append(n) or [])
+    monkeypatch.setattr(arms, "buffer_batch", lambda r, n, g: seen.append(-n) or [])
+    learner = arms.make_learner("nlac", run)
+    learner.examples(run, 0, [], [], rng(), {})
+    arms.make_learner("nlql", run).policy_examples_for(run, [], rng(), 3, None, None, {})
+    assert seen == [4, 4, -3]
 
 
 def test_mc_critic_trains_the_successor_on_the_real_futures():

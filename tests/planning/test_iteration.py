@@ -9,11 +9,13 @@ from nlac_jax import models
 from nlac_jax.nlac.targets import TargetConfig
 from nlac_jax.planning import footprint, iteration
 from nlac_jax.rl.roles import RoleSampling
+from nlac_jax.sampling import plan_trunks
 
 W = iteration.Workload(shared_tokens=100, turns=3, turn_tokens=10, role_tokens=5, action_tokens=2,
                        summary_tokens=4, critique_tokens=3)
 LOOP = types.SimpleNamespace(episodes_per_iteration=2, critic_examples=3, policy_examples=2, sampler_max_batch=4,
-                             max_len=128, batch_size=2)
+                             max_len=128, batch_size=2, buffer_episode_blocks=1, sampler_trunk_rows=0,
+                             sampler_shared_prefix=64)
 CFG = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -71,3 +73,80 @@ def test_estimate_counts_tokens_and_flops_by_hand():
 def test_bad_workload_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"planning.Workload.{field}"):
         iteration.Workload(**{field: value})
+
+
+def _tile_savings(lengths, block, next_state, tau, suffix, minimum):
+    """Tokens `sampling.plan_trunks` (the Sampler's own planner) saves on each block of each episode's prompts,
+    summed, per transition: prompt rests (after the shared head) are the state's transcript, t turns of `tau`
+    unique tokens, then `suffix` tokens of the prompt's own; blocks tile each episode from its first transition,
+    as `ReplayBuffer.block_indices` does. Also the trunk widths the planner chose."""
+    ids = iter(range(1000, 10 ** 6))
+    saved, widths = 0, set()
+    for L in lengths:
+        turns = [[next(ids) for _ in range(tau)] for _ in range(L)]
+        for start in range(0, L, block):
+            ts = [t for t in range(start, min(L, start + block)) if not (next_state and t == L - 1)]
+            rests = [sum(turns[:t + next_state], []) + [next(ids) for _ in range(suffix)] for t in ts]
+            plan = plan_trunks(rests, 10_000, minimum, min_gain=0.0)
+            if plan is not None:
+                saved += sum(map(len, rests)) - plan.tokens(rests)
+                widths.add(plan.width)
+    return saved / sum(lengths), widths
+
+
+@pytest.mark.parametrize("block, next_state", [(2, False), (3, False), (3, True), (4, True), (8, False)])
+def test_block_trunks_equal_the_samplers_own_plans(block, next_state):
+    """Episodes of 4 and 5 transitions (mean 4.25): the per-transition saving the estimate models equals what
+    plan_trunks saves block by block (the trunk widths it picks never cut a kept transcript here)."""
+    lengths = [4, 4, 5, 4]
+    want, _ = _tile_savings(lengths, block, next_state, tau=16, suffix=5, minimum=8)
+    w = iteration.Workload(shared_tokens=40, turns=4.25, turn_tokens=16)
+    got, groups, _ = iteration.block_trunks(w, block, next_state, minimum=8)
+    assert want > 0 and got == pytest.approx(want)
+    assert 0 < groups <= 1 / 2
+    assert iteration.block_trunks(w, 1, next_state)[:2] == (0.0, 0.0)  # uniform draws: no blocks modelled
+
+
+def test_block_trunks_cut_to_the_trunk_width_as_the_planner_does():
+    # one block of 6 states, 76 tokens a turn, 4 of its own: the deepest trunk keeps 380 + 3 tokens, which the
+    # planner rounds down to 256 (two widths per power of two), so the states with 304 and 380 keep 256
+    want, widths = _tile_savings([6], 6, False, tau=76, suffix=4, minimum=8)
+    assert widths == {256}
+    w = iteration.Workload(shared_tokens=40, turns=6, turn_tokens=76)
+    assert iteration.block_trunks(w, 6, False, width=256, minimum=8)[0] == pytest.approx(want)
+    assert want * 6 == 76 + 152 + 228 + 256  # every state but the trunk's keeps its transcript, at most 256
+
+
+def test_estimate_with_trunks_over_blocks_by_hand():
+    """3-turn episodes of 64-token turns drawn in blocks of 3 (whole episodes): s_0 is the head alone (no
+    group), s_1 and s_2 form one group per episode. The policy-targets policy call: 6 prompts of 164 tokens on
+    average; the longest 228 tokens fit the 256-token bucket, so the trunk may take min(128 - 1, 256 - 100 - 0)
+    = 127 slots, rounded down to 96: s_1 keeps its 64 transcript tokens, s_2 (the trunk) computes its own."""
+    w = iteration.Workload(shared_tokens=100, turns=3, turn_tokens=64, role_tokens=5, action_tokens=2,
+                           summary_tokens=4, critique_tokens=3)
+    loop = types.SimpleNamespace(**{**vars(LOOP), "critic_examples": 6, "policy_examples": 6,
+                                    "sampler_max_batch": 64, "buffer_episode_blocks": 3, "sampler_trunk_rows": 8,
+                                    "sampler_shared_prefix": 16})
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    base = {r["phase"]: r for r in iteration.estimate(CFG, types.SimpleNamespace(**{**vars(loop),
+            "sampler_trunk_rows": 0}), RoleSampling(), TargetConfig(), w, 1, 1e12, 1e11, mesh)}
+    rows = {r["phase"]: r for r in iteration.estimate(CFG, loop, RoleSampling(), TargetConfig(), w, 1, 1e12, 1e11,
+                                                     mesh)}
+    assert iteration.trunk_width(w, 0, 128, 0, 16) == 96
+    assert iteration.block_trunks(w, 3, False, 96, 16) == (pytest.approx(64 / 3), pytest.approx(1 / 3), 0)
+    pol = [c for c in iteration.calls(loop, RoleSampling(), TargetConfig(), w) if c.phase == "policy targets"]
+    # every policy-targets call (its own suffix leaves the trunk at least 96 slots) saves s_1's 64 tokens in each of
+    # the 2 episodes its 6 draws come from; in the shared column only
+    saved = base["policy targets"]["computed_shared"] - rows["policy targets"]["computed_shared"]
+    assert saved == pytest.approx(128 * len(pol))
+    assert rows["policy targets"]["computed"] == base["policy targets"]["computed"]
+    assert rows["rollouts"] == base["rollouts"]  # one prompt per episode per call: nothing for trunks
+    assert rows["policy targets"]["seconds_shared"] < base["policy targets"]["seconds_shared"]
+    # one trunk row for 2 groups per call: a deepest state may be in no group, so the trunk gets what the longest
+    # prompt leaves, 256 - 100 - 128 = 28 slots, rounded down to 24; half the groups get a trunk: 24 tokens saved
+    # per call, under plan_trunks' min_gain (20% of 6 x 64 rest tokens), so no call plans trunks
+    few = types.SimpleNamespace(**{**vars(loop), "sampler_trunk_rows": 1})
+    rows1 = {r["phase"]: r for r in iteration.estimate(CFG, few, RoleSampling(), TargetConfig(), w, 1, 1e12, 1e11,
+                                                      mesh)}
+    assert iteration.trunk_width(w, 0, 128, 128, 16) == 24
+    assert rows1["policy targets"]["computed_shared"] == base["policy targets"]["computed_shared"]

@@ -76,6 +76,68 @@ def test_sampling_is_uniform_enough():
     assert counts.min() > 1800 and counts.max() < 2200
 
 
+def _episodes_buffer(lengths) -> ReplayBuffer:
+    """Episode e: `lengths[e]` transitions whose state t is the system line, then t (action, observation) turns."""
+    buf = ReplayBuffer(1000)
+    for e, n in enumerate(lengths):
+        msgs = [{"role": "system", "content": f"episode {e}"}]
+        trs = []
+        for t in range(n):
+            nxt = msgs + [{"role": "assistant", "content": f"a{e}.{t}"}, {"role": "user", "content": f"o{e}.{t}"}]
+            trs.append(Transition(state=list(msgs), action=f"a{e}.{t}", reward=0.0, next_state=None if t == n - 1
+                                  else nxt, done=t == n - 1, episode_return=0.0, task=str(e)))
+            msgs = nxt
+        buf.add(trs)
+    return buf
+
+
+def test_block_sampling_draws_consecutive_states_of_one_episode():
+    lengths = [5, 1, 7, 3, 9, 2, 6]
+    buf = _episodes_buffer(lengths)
+    names = [t.action for t in buf]  # "a<episode>.<turn>", oldest first
+    for seed in range(20):
+        idx = buf.block_indices(12, 4, seed)
+        assert len(idx) == 12 and len(set(idx.tolist())) == 12  # n distinct transitions
+        # cut into runs of one episode: each run is consecutive turns, inside one tile of 4 from the episode's start
+        runs, cur = [], [names[idx[0]]]
+        for a, b in zip(idx, idx[1:]):
+            ea, ta = names[a][1:].split(".")
+            eb, tb = names[b][1:].split(".")
+            if eb == ea and int(tb) == int(ta) + 1 and int(tb) % 4:
+                cur.append(names[b])
+            else:
+                runs.append(cur)
+                cur = [names[b]]
+        runs.append(cur)
+        full = [r for r in runs[:-1]]  # every block but the last (cut to make n) is a whole tile
+        for r in full:
+            e, t0 = (int(x) for x in r[0][1:].split("."))
+            assert t0 % 4 == 0 and len(r) == min(4, lengths[e] - t0), (seed, r)
+        assert [t.action for t in buf.sample_blocks(12, 4, seed)] == [names[i] for i in idx]
+        # each block's states are prefixes of its last one's: what trunks share
+        for r in runs:
+            states = [buf[names.index(a)].state for a in r]
+            assert all(s == states[-1][:len(s)] for s in states)
+    assert buf.block_indices(12, 4, 3).tolist() != buf.block_indices(12, 4, 4).tolist()
+    assert buf.block_indices(12, 4, 3).tolist() == buf.block_indices(12, 4, 3).tolist()
+    assert buf.block_indices(10, 1, 5).tolist() == buf.sample_indices(10, 5, replace=False).tolist()
+    assert sorted(buf.block_indices(len(buf), 4, 0).tolist()) == list(range(len(buf)))
+    with pytest.raises(ValueError, match="cannot sample 34 transitions in blocks from 33"):
+        buf.block_indices(34, 4, 0)
+
+
+def test_block_sampling_keeps_every_transition_about_equally_likely():
+    # tiles of 4 over episodes of 1..9 transitions: tiles of size 1 to 4, drawn in proportion to their size
+    buf = _episodes_buffer([5, 1, 7, 3, 9, 2, 6])
+    counts = np.zeros(len(buf))
+    draws = 4000
+    for seed in range(draws):
+        counts[buf.block_indices(8, 4, seed)] += 1
+    p = counts / draws  # each transition's inclusion rate; uniform draws of 8 of 33 give 0.242 each
+    assert abs(p.mean() - 8 / 33) < 1e-9
+    assert p.min() > 0.20 and p.max() < 0.29, p.round(3)  # a draw weighted by block size: 0.08 to 0.34
+
+
 def test_jax_keys_are_accepted_as_seeds():
     jax = pytest.importorskip("jax")
     buf = filled(30)
