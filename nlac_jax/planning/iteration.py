@@ -108,25 +108,26 @@ def calls(loop, rs, tcfg, w: Workload) -> list[Call]:
 
 
 def block_trunks(w: Workload, block: int, next_state: bool = False, width: float = math.inf,
-                 minimum: int = 1) -> tuple[float, float, int]:
-    """(transcript tokens computed once instead of per prompt, prefix groups; both per buffer transition drawn in
+                 minimum: int = 1) -> tuple[float, float, float, int]:
+    """(transcript tokens computed once instead of per prompt, prefix groups, prompts in no group: each per buffer
+    transition drawn in
     blocks of `block` consecutive transitions of one episode (`ReplayBuffer.sample_blocks`: each episode tiled from
     its first transition, every transition equally likely). Episodes have floor(turns) and ceil(turns)
     transitions, mixed to the mean `turns`. State s_t holds t turns (t * turn_tokens) after the shared head; one
     block's states share the earliest one's transcript, so a group (`sampling.plan_trunks`: the members keeping at
     least `minimum` tokens, two or more) prefills its longest kept transcript once and each member keeps its own,
-    cut to the trunk `width`; the deepest transcript of a prompt in no group). next_state: the prompts are
+    cut to the trunk `width`; and the deepest transcript of a prompt in no group). next_state: the prompts are
     s_{t+1} of the non-terminal transitions (the critic's targets). Train-step packing shares the same transcripts
     with no width (the default). The last block of a draw, cut to make n, is not modelled."""
     if block <= 1 or not w.turn_tokens:
-        return 0.0, 0.0, w.turn_tokens * (math.ceil(w.turns) - 1)
+        return 0.0, 0.0, 1.0, w.turn_tokens * (math.ceil(w.turns) - 1)
     lo = math.floor(w.turns)
     mix = [(lo, 1.0 - (w.turns - lo))] + ([(lo + 1, w.turns - lo)] if w.turns > lo else [])
-    saved = groups = 0.0
+    saved = groups = lone = 0.0
     alone = 0
     for L, p_episode in mix:
         share = p_episode * L / w.turns  # the chance a drawn transition is in an episode of L transitions
-        s = g = 0.0
+        s = g = n = 0.0
         for start in range(0, L, block):
             ts = [t for t in range(start, min(L, start + block)) if not (next_state and t == L - 1)]
             depth = [w.turn_tokens * (t + next_state) for t in ts]
@@ -135,19 +136,22 @@ def block_trunks(w: Workload, block: int, next_state: bool = False, width: float
                 s += sum(kept) - max(kept)
                 g += 1
             else:
+                n += len(ts)
                 alone = max([alone] + depth)
         if p_episode > 0:
             saved += share * s / L
             groups += share * g / L
-    return saved, groups, alone
+            lone += share * n / L
+    return saved, groups, lone, alone
 
 
 def trunk_width(w: Workload, suffix: float, deepest: int, alone: int, minimum: int) -> int:
     """The trunk width (`sampling.plan_trunks`) of a targets-phase call whose prompts are a state, then `suffix`
     tokens of their own: the deepest trunk (`deepest` transcript tokens and its suffix, less the one token it
-    prefills itself), limited so that the longest prompt in no group (`alone` transcript tokens: a block of one
-    state, or any state when there are more groups than trunk rows) still fits the slots after the trunk (the
-    call's prompt bucket less the head), rounded down to the trunk grid; 0 when under `minimum` (no trunks)."""
+    prefills itself), limited so that the longest prompt in no group and without a spare trunk row (`alone`
+    transcript tokens: a block of one state, or any state when there are more groups than trunk rows) still fits
+    the slots after the trunk (the call's prompt bucket less the head), rounded down to the trunk grid; 0 when
+    under `minimum` (no trunks)."""
     longest = int(round(deepest + suffix))
     rest_slots = bucket_length(w.shared_tokens + longest, 16, fine=True) - w.shared_tokens
     fit = min(longest - 1, rest_slots - int(round(alone + suffix)))
@@ -187,9 +191,11 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
                                                                                           shared)
         trunked = 0.0  # transcript tokens the call's trunks compute once
         if trunk_rows and c.draws and block > 1:
-            _, groups, alone = block_trunks(w, block, c.next_state, minimum=min_trunk)
+            _, groups, lone, alone = block_trunks(w, block, c.next_state, minimum=min_trunk)
             if groups * c.draws > trunk_rows:  # groups left without a trunk: any state may be alone
                 alone = deepest
+            elif (groups + lone) * c.draws <= trunk_rows:  # every lone prompt gets a spare trunk row (plan_trunks)
+                alone = 0
             width = trunk_width(w, c.length - state - c.next_state * w.turn_tokens, deepest, alone, min_trunk)
             per_draw = block_trunks(w, block, c.next_state, width, min_trunk)[0] if width else 0.0
             trunked = per_draw * c.draws * min(1.0, trunk_rows / max(groups * c.draws, 1e-9))

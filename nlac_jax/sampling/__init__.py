@@ -85,7 +85,9 @@ Design
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and
   every prompt starts from its trunk's row with the row's later tokens masked (`decode.prefix_rows`), keeping its
   common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus the trunks' width (a
-  grid of two widths per power of two, `requests.trunk_grid`). Equal outputs as above. The width a call takes
+  grid of two widths per power of two, `requests.trunk_grid`; trunk rows no group takes go to the longest prompts
+  in no group, as groups of one, so that a long lone prompt does not cap every trunk's width). Equal outputs as
+  above. The width a call takes
   depends on its data, so the first call of two or more prompts at a bucket compiles the trunk and prefill
   executables of every grid width there (lowered only; one trunk run on placeholder rows): no later call at that
   bucket compiles, and a plan never depends on what the process compiled before. Continuous batching's refills

@@ -232,6 +232,14 @@ def _plan_groups(rests, arrs, groups, width, minimum, used, min_gain, max_trunks
         groups = sorted(sorted(groups, key=saved, reverse=True)[:max(0, max_trunks)], key=lambda g: g[0])
     if not groups:
         return None
+    if max_trunks is not None and len(groups) < max_trunks:
+        # the trunk executable runs max_trunks rows whatever the plan: the longest prompts in no group take the free
+        # ones, each a group of one whose trunk is the prompt but its last token. It prefills what it would have,
+        # but no longer caps the trunks' width (every rest must fit the slots the trunks leave: one long lone prompt
+        # would leave the others' trunks few, e.g. an episode's deepest state drawn without its block)
+        grouped = {i for g in groups for i in g}
+        alone = sorted((i for i in range(U) if i not in grouped and len(rests[i]) > 1), key=lambda i: -len(rests[i]))
+        groups = sorted(groups + [[i] for i in alone[:max_trunks - len(groups)]], key=lambda g: g[0])
     keep = np.zeros(U, np.int64)
     group = np.zeros(U, np.int32)
     trunks = []

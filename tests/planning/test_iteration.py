@@ -1,5 +1,6 @@
 """planning.iteration: one NLAC iteration's prompts, tokens, FLOPs and roofline seconds, counted by hand."""
 
+import dataclasses
 import math
 import types
 
@@ -101,7 +102,7 @@ def test_block_trunks_equal_the_samplers_own_plans(block, next_state):
     lengths = [4, 4, 5, 4]
     want, _ = _tile_savings(lengths, block, next_state, tau=16, suffix=5, minimum=8)
     w = iteration.Workload(shared_tokens=40, turns=4.25, turn_tokens=16)
-    got, groups, _ = iteration.block_trunks(w, block, next_state, minimum=8)
+    got, groups, _, _ = iteration.block_trunks(w, block, next_state, minimum=8)
     assert want > 0 and got == pytest.approx(want)
     assert 0 < groups <= 1 / 2
     assert iteration.block_trunks(w, 1, next_state)[:2] == (0.0, 0.0)  # uniform draws: no blocks modelled
@@ -133,7 +134,7 @@ def test_estimate_with_trunks_over_blocks_by_hand():
     rows = {r["phase"]: r for r in iteration.estimate(CFG, loop, RoleSampling(), TargetConfig(), w, 1, 1e12, 1e11,
                                                      mesh)}
     assert iteration.trunk_width(w, 0, 128, 0, 16) == 96
-    assert iteration.block_trunks(w, 3, False, 96, 16) == (pytest.approx(64 / 3), pytest.approx(1 / 3), 0)
+    assert iteration.block_trunks(w, 3, False, 96, 16) == (pytest.approx(64 / 3), pytest.approx(1 / 3), 0, 0)
     pol = [c for c in iteration.calls(loop, RoleSampling(), TargetConfig(), w) if c.phase == "policy targets"]
     # every policy-targets call (its own suffix leaves the trunk at least 96 slots) saves s_1's 64 tokens in each of
     # the 2 episodes its 6 draws come from; in the shared column only
@@ -150,3 +151,29 @@ def test_estimate_with_trunks_over_blocks_by_hand():
                                                       mesh)}
     assert iteration.trunk_width(w, 0, 128, 128, 16) == 24
     assert rows1["policy targets"]["computed_shared"] == base["policy targets"]["computed_shared"]
+
+
+def test_spare_trunk_rows_lift_the_width_a_lone_deep_prompt_caps():
+    """5-turn episodes in blocks of 4: s_1..s_3 form a group, s_4 is alone. Its 256 transcript tokens leave an
+    s_4-deep trunk 384 - 100 - 256 = 28 slots (24 on the grid), so the group saves 24 + 24 of s_1 and s_2's 64 and
+    128: under the minimum gain, no trunks. With a spare row for it (plan_trunks gives lone prompts the rows no
+    group takes), the trunk may take 255 slots (192 on the grid) and saves 64 + 128 per episode."""
+    w = iteration.Workload(shared_tokens=100, turns=5, turn_tokens=64)
+    assert iteration.block_trunks(w, 4, minimum=16)[1:] == (pytest.approx(1 / 5), pytest.approx(1 / 5), 256)
+    assert iteration.trunk_width(w, 0, 256, 256, 16) == 24 and iteration.trunk_width(w, 0, 256, 0, 16) == 192
+    assert iteration.block_trunks(w, 4, False, 24, 16)[0] * 5 == 48
+    assert iteration.block_trunks(w, 4, False, 192, 16)[0] * 5 == 64 + 128
+    # the estimate: 10 draws (2 episodes' blocks) per call; the calls' own tokens (7 to 11) change no grid value
+    small = dataclasses.replace(w, role_tokens=5, action_tokens=2, summary_tokens=4, critique_tokens=3)
+    loop = types.SimpleNamespace(**{**vars(LOOP), "critic_examples": 0, "policy_examples": 10,
+                                    "sampler_max_batch": 64, "buffer_episode_blocks": 4, "sampler_shared_prefix": 16})
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+
+    def policy_targets(rows):
+        lp = types.SimpleNamespace(**{**vars(loop), "sampler_trunk_rows": rows})
+        return [r for r in iteration.estimate(CFG, lp, RoleSampling(), TargetConfig(use_buffer_action=True), small,
+                                              1, 1e12, 1e11, mesh) if r["phase"] == "policy targets"][0]
+    base = policy_targets(0)["computed_shared"]
+    assert policy_targets(2)["computed_shared"] == base  # 2 groups, 2 lone prompts, 2 rows: capped, no trunks
+    # 4 rows: the successor, evaluator and refiner calls each save 64 + 128 in each of the 2 episodes
+    assert policy_targets(4)["computed_shared"] == pytest.approx(base - 3 * 2 * (64 + 128))

@@ -196,6 +196,18 @@ def test_plan_trunks_by_hand():
     assert sampling.plan_trunks(rests, width=128, minimum=16, max_trunks=1) is None
     one = sampling.plan_trunks(rests, width=256, minimum=16, max_trunks=1)
     assert len(one.trunks) == 1 and one.trunks[0] == tuple(a[:96]) and one.keep.tolist() == [40, 70, 96, 0, 0, 0]
+    # a long prompt in no group caps the trunks' width: group a's rests and a lone 90-token one leave the trunks
+    # 128 - 90 = 38 slots, rounded down to 32; with trunk rows to spare (the trunk executable runs them anyway) the
+    # lone prompt takes one as a group of one (its trunk is all but its last token), and group a's trunk gets 96
+    three, lone = rests[:3], list(range(500, 590))
+    capped = sampling.plan_trunks(three + [lone], width=128, minimum=16)
+    assert capped.width == 32 and capped.keep.tolist() == [32, 32, 32, 0]
+    assert capped.tokens(three + [lone]) == 32 + (10 + 39 + 71) + 90
+    spare = sampling.plan_trunks(three + [lone], width=128, minimum=16, max_trunks=2)
+    assert spare.width == 96 and spare.keep.tolist() == [40, 70, 96, 89] and spare.group.tolist() == [0, 0, 0, 1]
+    assert spare.trunks[1] == tuple(lone[:89])
+    assert spare.tokens(three + [lone]) == (96 + 89) + (2 + 1 + 7 + 1)
+    assert sampling.plan_trunks(three + [lone], width=128, minimum=16, max_trunks=1).width == 32  # no row to spare
 
 
 def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
@@ -211,11 +223,12 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     a, f, b = tree.generate(m.params, ps, **kw), flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
     assert a.shared_prefix == f.shared_prefix == PREFIX
     # by hand: episode 0's states are 20 / 45 / 70 transcript tokens + 5 / 8 / 11 of their own; its trunk is its
-    # longest prompt but its last token (80); episode 1 (30 + 5, 52 + 8) would keep 30 / 59 of a 59-token trunk;
-    # episode 2's lone prompt (45) keeps nothing, so its rest needs 45 of the 96 rest slots and the trunks' width is
-    # at most 51, rounded down to the grid: 48. So episode 0 keeps 20 / 45 / 48, episode 1 30 / 48
+    # longest prompt but its last token (80); episode 1 (30 + 5, 52 + 8) keeps 30 / 59 of a 59-token trunk;
+    # episode 2's lone prompt (45 tokens) takes one of the two spare trunk rows (all but its last token), so every
+    # rest fits the 96 rest slots after an 80-token trunk, rounded down to the grid: 64. So episode 0 keeps
+    # 20 / 45 / 64, episode 1 30 / 59, the lone prompt 44
     assert f.prefill_tokens == PREFIX + (25 + 53 + 81) + (35 + 60) + 45
-    assert a.prefill_tokens == PREFIX + (48 + 48) + (5 + 8 + 33) + (5 + 12) + 45
+    assert a.prefill_tokens == PREFIX + (64 + 59 + 44) + (5 + 8 + 17) + (5 + 1) + 1
     assert flat.cache_sizes()["trunk"] == 0
     _assert_same(a, b)
     np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
