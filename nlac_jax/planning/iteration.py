@@ -110,9 +110,8 @@ def calls(loop, rs, tcfg, w: Workload) -> list[Call]:
 def block_trunks(w: Workload, block: int, next_state: bool = False, width: float = math.inf,
                  minimum: int = 1) -> tuple[float, float, float, int]:
     """(transcript tokens computed once instead of per prompt, prefix groups, prompts in no group: each per buffer
-    transition drawn in
-    blocks of `block` consecutive transitions of one episode (`ReplayBuffer.sample_blocks`: each episode tiled from
-    its first transition, every transition equally likely). Episodes have floor(turns) and ceil(turns)
+    transition drawn in blocks of `block` consecutive transitions of one episode (`ReplayBuffer.sample_blocks`: each
+    episode tiled from its first transition, every transition equally likely). Episodes have floor(turns) and ceil(turns)
     transitions, mixed to the mean `turns`. State s_t holds t turns (t * turn_tokens) after the shared head; one
     block's states share the earliest one's transcript, so a group (`sampling.plan_trunks`: the members keeping at
     least `minimum` tokens, two or more) prefills its longest kept transcript once and each member keeps its own,
