@@ -30,7 +30,7 @@ class MetricsWriter:
                     and start_iteration > 0 and json.loads(ln).get("iteration", 0) <= start_iteration]
             fs.write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         try:
-            from tensorboardX import SummaryWriter, record_writer
+            SummaryWriter, record_writer = _import_tensorboardx()
             # tensorboardX's own gs:// writer is google-cloud-storage with its credential search: events go through
             # the one filesystem layer instead
             record_writer.register_writer_factory("gs", _EventFileFactory())
@@ -53,6 +53,22 @@ class MetricsWriter:
     def close(self):
         if self.tb is not None:
             self.tb.close()
+
+
+def _import_tensorboardx():
+    """(SummaryWriter, record_writer) from tensorboardX, without importing torch: tensorboardX's writer imports torch
+    when it is installed, only to accept torch tensors, which we never pass, and that import costs a loop run 2-3 s
+    of start-up (most of a resumed tiny run's). Raises ImportError without tensorboardX."""
+    import sys
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX's modules load
+    try:
+        from tensorboardX import SummaryWriter, record_writer
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter, record_writer
 
 
 class _EventFile:

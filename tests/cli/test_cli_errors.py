@@ -68,6 +68,7 @@ def test_train_refuses_bad_gin_values_in_one_line(tmp_path, param, needles):
     assert not (wd / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_train_usage_errors(tmp_path):
     _one_line(_run("nlac_jax.train"), 2, "--gin_file")
     _one_line(_run("nlac_jax.train", "--gin_file=gin/runs/nope.gin", f"--workdir={tmp_path}"), 2, "gin/runs/nope.gin")
@@ -128,6 +129,7 @@ def test_plot_errors(tmp_path):
     _one_line(_run("nlac_jax.plot", f"--workdir={tmp_path}"), 1, "metrics.jsonl line 2", "not valid JSON")
 
 
+@pytest.mark.slow
 def test_unit_scale_errors(tmp_path):
     _one_line(_run("nlac_jax.experiments.unit_scale", "--gin_file=gin/experiments/unit_toy_smoke.gin"), 2,
               "--workdir")

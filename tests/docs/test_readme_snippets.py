@@ -22,6 +22,7 @@ def test_the_readme_has_the_three_api_snippets():
                                                    "from nlac_jax import training"]
 
 
+@pytest.mark.slow
 def test_readme_snippets_run(tmp_path):
     from nlac_jax import models
     from nlac_jax.testing import tiny

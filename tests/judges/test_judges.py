@@ -2,7 +2,6 @@
 (judges.client, judges.cache), over real HTTP on localhost with a tiny random model (no downloads).
 """
 
-import concurrent.futures
 import importlib.util
 import json
 import os
@@ -379,6 +378,7 @@ def test_train_refuses_an_unreachable_judge_at_start_up(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # stopped before anything was built
 
 
+@pytest.mark.slow
 def test_serve_cli_subprocess(model_dir):
     # --port 0: the server binds a free port itself (no port chosen here that another process could take first) and
     # logs "serving NAME on http://HOST:PORT/v1" once it listens: the test waits for that line, not for a clock

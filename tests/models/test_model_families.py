@@ -96,6 +96,7 @@ def test_hf_round_trip(tmp_path, family, overrides):
     assert models.ModelConfig.from_hf_dict(m.config.to_hf_dict()) == m.config
 
 
+@pytest.mark.slow
 def test_gemma3_scanned_layers_equal_unrolled_with_grads(tmp_path):
     """Gemma's local/global pattern is not uniform; the scanned stack (layer type as a scanned input) must equal the
     Python loop, forward and backward."""

@@ -120,6 +120,7 @@ def test_scan_remat_and_query_blocks_same_logits_and_grads(tmp_path, remat):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_extend_in_query_blocks_equals_the_whole_prompt(tmp_path):
     """decoder.extend (a prompt's rest after a cached prefix) in causal query blocks (attn_query_block=4, a ragged
     last block; each block reads the cache only up to its last possible slot) gives the last-token logits of the

@@ -10,6 +10,7 @@ from nlac_jax.planning import planner
 MARKER = "Involuntary full rematerialization"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_no_involuntary_full_rematerialization(tied, capfd, no_persistent_cache):
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)

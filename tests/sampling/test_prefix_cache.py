@@ -67,6 +67,7 @@ def test_shared_prefix_greedy_equals_unshared_and_transformers(qwen):
     assert c.shared_prefix == PREFIX and dict(sampling.TRACE_COUNTS) == before
 
 
+@pytest.mark.slow
 def test_shared_prefix_sampled_n_and_continuous_batching(qwen):
     """Sampled rows follow their prompt's index whichever path prefilled them: n samples per prompt and continuous
     batching (more prompts than slots, refills start from the prefix cache) equal the unshared path, row for row."""
@@ -84,6 +85,7 @@ def test_shared_prefix_sampled_n_and_continuous_batching(qwen):
     assert shared.cache_sizes()["refill"] >= 1
 
 
+@pytest.mark.slow
 def test_shared_prefix_on_eight_devices_equals_one(qwen):
     _, m = qwen
     ps = _prompts(seed=3)
@@ -210,6 +212,7 @@ def test_plan_trunks_by_hand():
     assert sampling.plan_trunks(three + [lone], width=128, minimum=16, max_trunks=1).width == 32  # no row to spare
 
 
+@pytest.mark.slow
 def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     """trunk_rows: each episode's states prefilled once up to its longest state, every prompt only its own rest:
     greedy tokens equal the unshared path's and transformers'; sampled rows (n per prompt, continuous batching with
@@ -253,6 +256,7 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
         np.testing.assert_array_equal(out.tokens, plain.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=()).tokens)
 
 
+@pytest.mark.slow
 def test_trunks_on_eight_devices_equal_one(qwen):
     _, m = qwen
     ps = _episode_prompts(seed=3)

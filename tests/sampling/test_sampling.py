@@ -398,6 +398,7 @@ def test_layer_layout_converted_once_per_params_tree(qwen):
     assert np.abs(a.logprobs - b.logprobs).max() > 1e-3  # p2's own weights, not a stale conversion
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_compute_dtype_weights_give_identical_outputs(family, tmp_path):
     """bf16 compute over float32 master weights: the sampler decodes from a bf16 copy of the matmul weights

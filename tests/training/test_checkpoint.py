@@ -216,6 +216,7 @@ def _two_steps(setup, directory, keep=2):
     return a, b
 
 
+@pytest.mark.slow
 def test_silently_flipped_bytes_fall_back_and_the_good_step_survives(setup, tmp_path, caplog):
     # The old code restored the flipped step as if nothing happened (one array off by up to ~1e38), and the next
     # save + retention (keep=2) deleted step 1, the only good one.
@@ -248,6 +249,7 @@ def test_silently_flipped_bytes_fall_back_and_the_good_step_survives(setup, tmp_
     assert again.all_steps() == [2, 3]  # two newer verified steps: now step 1 may go
 
 
+@pytest.mark.slow
 def test_truncated_array_file_falls_back_with_one_line_naming_the_array(setup, tmp_path, caplog):
     # The old code fell back too, but with a multi-line TensorStore dump and no array name.
     s = setup
@@ -386,6 +388,7 @@ def test_loop_refuses_to_resume_another_models_checkpoint(tmp_path):
         gin.clear_config()
 
 
+@pytest.mark.slow
 def test_step_files_are_shared_verified_and_collected(setup, tmp_path, caplog):
     """Files beside the orbax steps (the replay buffer's segments): a step writes only its new files and lists the
     older ones by sha256; restore returns every file of the step, verified; a damaged file makes its step fall
