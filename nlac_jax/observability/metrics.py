@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 
 from nlac_jax.storage import fs
 
@@ -59,7 +60,6 @@ def _import_tensorboardx():
     """(SummaryWriter, record_writer) from tensorboardX, without importing torch: tensorboardX's writer imports torch
     when it is installed, only to accept torch tensors, which we never pass, and that import costs a loop run 2-3 s
     of start-up (most of a resumed tiny run's). Raises ImportError without tensorboardX."""
-    import sys
     blocked = "torch" not in sys.modules
     if blocked:
         sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX's modules load
