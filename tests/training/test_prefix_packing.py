@@ -2,6 +2,7 @@
 hand, and losses and gradients equal to the unpacked batch's for every family, scanned and unrolled, on 1 and 8
 devices, both normalisations."""
 
+import dataclasses
 import functools
 
 import jax
@@ -152,6 +153,59 @@ def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
         assert_grads_close(g_p, g_u)
 
 
+@pytest.mark.parametrize("scan,family", [
+    pytest.param(False, "qwen2", id="unrolled-qwen2"),
+    pytest.param(True, "gemma3", id="scanned-gemma3", marks=pytest.mark.slow)])  # sliding windows, a traced choice
+def test_packed_in_query_blocks_skips_hidden_blocks_and_equals_unpacked(model_dir, family, scan):
+    """Rows of 64 tokens in query blocks of 4 (decoder.tree_block_attention): the losses and gradients of the
+    unpacked batch, whose attention is one dense causal softmax per example."""
+    cfg, params = family_model(model_dir, family, scan)
+    r = np.random.RandomState(3)
+    ex = []  # two heads of 10 tokens, four 9-13-token leaves each: one head and its leaves per row
+    for head in ([int(t) for t in r.randint(1, cfg.vocab_size, 10)] for _ in range(2)):
+        ex += [batching.Example(head + [int(t) for t in r.randint(1, cfg.vocab_size, r.randint(6, 9))],
+                                [int(t) for t in r.randint(1, cfg.vocab_size, r.randint(3, 6))],
+                                kind=i % 2, weight=float(r.choice([0.5, 1.0, 2.0]))) for i in range(4)]
+    unpacked = batching.pack_examples(ex, max_len=64, batch_size=8)
+    packed = pp.pack_shared_prefix(ex, max_len=64, batch_size=2)
+    blk, n = 4, 16
+    visible = np.asarray(decoder.packed_mask_bias(packed.node_ids, packed.node_ends, packed.positions)[:, 0, 0] == 0)
+    pairs = visible.reshape(len(visible), n, blk, n, blk).any(axis=(0, 2, 4))  # what lax.cond sees: the batch's
+    assert pairs.sum() < 0.6 * n * (n + 1) / 2  # siblings hide blocks: there is something to skip
+    blocked = dataclasses.replace(cfg, attn_query_block=blk)
+    l_u, g_u, i_u = _grads(cfg, params, unpacked, "token")
+    l_p, g_p, i_p = _grads(blocked, params, packed, "token")
+    np.testing.assert_allclose(l_p, l_u, rtol=1e-5)
+    for k in ("l1", "l2"):
+        np.testing.assert_allclose(i_p[k], i_u[k], rtol=1e-5, err_msg=k)
+    assert_grads_close(g_p, g_u)
+
+
+def test_tree_block_attention_equals_the_masked_softmax():
+    """The attention outputs themselves, with a window and a softcap, rows not a multiple of the block (padded),
+    and a row that is padding only: equal to a softmax over packed_mask_bias."""
+    r = np.random.RandomState(0)
+    ex = random_examples(97, seed=4, n=10)
+    packed = pp.pack_shared_prefix(ex, max_len=60, batch_size=4)
+    ids, ends, pos = (np.asarray(a) for a in (packed.node_ids, packed.node_ends, packed.positions))
+    ids, ends, pos = (np.concatenate([a, np.zeros_like(a[:1])]) for a in (ids, ends, pos))  # + a padding row
+    B, T, K, G, D = ids.shape[0], ids.shape[1], 2, 3, 8
+    q = r.randn(B, K, G, T, D).astype(np.float32)
+    k, v = (r.randn(B, K, T, D).astype(np.float32) for _ in range(2))
+    for window, cap in ((None, None), (7, 5.0)):
+        bias = np.asarray(decoder.packed_mask_bias(ids, ends, pos, window))
+        s = decoder.softcap(np.einsum("bkgtd,bksd->bkgts", q, k) * 0.5, cap) + bias
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("bkgts,bksd->bkgtd", p / p.sum(-1, keepdims=True), v)
+        tree = {"node_ids": ids, "node_ends": ends, "positions": pos, "window": np.int32(window or 0)}
+        got = np.asarray(jax.jit(lambda q, k, v, t: decoder.tree_block_attention(q, k, v, t, 16, 0.5, cap, np.float32))(
+            q, k, v, tree))
+        real = ids > 0  # padding queries attend to nothing: their output is not used
+        np.testing.assert_allclose(got.transpose(0, 3, 1, 2, 4)[real], want.transpose(0, 3, 1, 2, 4)[real],
+                                   atol=1e-5, rtol=1e-5)
+        assert np.isfinite(got).all()
+
+
 def test_packed_losses_hand_computed(model_dir):
     """L1, L2 of the packed hand case from each example's own forward pass (token normalisation)."""
     cfg, params = family_model(model_dir, "qwen2", False)
@@ -167,8 +221,10 @@ def test_packed_losses_hand_computed(model_dir):
     np.testing.assert_allclose([info["l1"], info["l2"]], [l1, l2], rtol=1e-5)
 
 
-def test_packed_on_8_devices_equals_1_device(model_dir):
+@pytest.mark.parametrize("blk", [0, 4], ids=["dense", "query_blocks"])
+def test_packed_on_8_devices_equals_1_device(model_dir, blk):
     cfg, params = family_model(model_dir, "qwen3", False)
+    cfg = dataclasses.replace(cfg, attn_query_block=blk)
     packed = pp.pack_shared_prefix(random_examples(cfg.vocab_size, seed=2), max_len=64, batch_size=8)
     l1, g1, _ = _grads(cfg, params, packed, "token")
     l8, g8, _ = _grads(cfg, params, packed, "token", (2, 2, 2))
