@@ -276,6 +276,37 @@ def report_layouts(lay, res: dict) -> None:
               f"{flops[name] / flops['unpacked']:8.1%} {sorted({b.shape for b in batches})}")
 
 
+def block_pairs(batches, blk: int) -> tuple[int, int]:
+    """(query block, key block) pairs the step's attention computes, and the causal pairs of the same rows (both
+    summed over rows: a pair is computed for every row of its batch): an
+    unpacked row computes every causal pair (decoder.Attention's query blocks); a prefix-tree row only the pairs
+    in which some query sees some key (decoder.tree_block_attention skips a pair hidden in every row of the batch)."""
+    import numpy as np
+    done = causal = 0
+    for b in batches:
+        B, T = b.input_ids.shape
+        n = -(-T // blk)
+        causal += B * n * (n + 1) // 2
+        if getattr(b, "node_ids", None) is None:
+            done += B * n * (n + 1) // 2
+            continue
+        ids = np.pad(np.asarray(b.node_ids), [(0, 0), (0, n * blk - T)])
+        ends = np.pad(np.asarray(b.node_ends), [(0, 0), (0, n * blk - T)])
+        # a key node's subtree is a pre-order id range: block pair (i, j) is visible iff some key s in block j,
+        # some query t >= s in block i, have ids[s] <= ids[t] <= ends[s]; checked per pair on the block's ranges
+        seen = np.zeros((n, n), bool)
+        for i in range(n):
+            q = ids[:, i * blk:(i + 1) * blk]
+            for j in range(i + 1):
+                k, e = ids[:, j * blk:(j + 1) * blk], ends[:, j * blk:(j + 1) * blk]
+                ok = (k[:, None, :] > 0) & (k[:, None, :] <= q[:, :, None]) & (q[:, :, None] <= e[:, None, :])
+                if i == j:
+                    ok &= np.tri(blk, dtype=bool)[None]
+                seen[i, j] = ok.any()
+        done += B * int(seen.sum())
+    return done, causal
+
+
 def time_steps(batches_by_layout, vocab: int, a) -> dict:
     import jax
 
@@ -296,8 +327,11 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
         for shape in sorted({b.shape for b in batches}):
             step.lower(state, next(b for b in batches if b.shape == shape)).compile()
         compile_s = time.perf_counter() - t0
+        pairs = block_pairs(batches[:a.timing_batches], cfg.attn_query_block)
         print(f"  {name}: {len(batches)} batches, shapes {sorted({b.shape for b in batches})}, compiled in "
-              f"{compile_s:.0f} s", flush=True)
+              f"{compile_s:.0f} s; attention block pairs computed in the timed batches: {pairs[0]:,d} of "
+              f"{pairs[1]:,d} causal ({pairs[0] / pairs[1]:.1%}; query blocks of {cfg.attn_query_block})",
+              flush=True)
         times, losses = [], []
         for b in batches[:a.timing_batches]:
             t0 = time.perf_counter()
@@ -305,7 +339,7 @@ def time_steps(batches_by_layout, vocab: int, a) -> dict:
             losses.append(float(met["loss"]))  # blocks: the step's time includes its compute
             times.append(time.perf_counter() - t0)
             print(f"    step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}", flush=True)
-        out[name] = dict(step_s=times, total_s=sum(times), compile_s=compile_s, losses=losses,
+        out[name] = dict(step_s=times, total_s=sum(times), compile_s=compile_s, losses=losses, block_pairs=pairs,
                          shapes=sorted({b.shape for b in batches}))
     out["params"] = cfg.num_params
     return out

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from nlac_jax.models.config import ModelConfig
+from nlac_jax.models.tree_attention import tree_block_attention
 from nlac_jax.parallel import sharding
 
 Array = jax.Array
@@ -159,68 +160,6 @@ def packed_mask_bias(node_ids: Array, node_ends: Array, positions: Array, window
     if window is not None:
         ok = ok & (positions[:, None, :] > positions[:, :, None] - window)
     return jnp.where(ok, 0.0, _NEG).astype(jnp.float32)[:, None, None, :, :]
-
-
-def _tree_block_visible(tree: dict, q_lo: Array, k_lo: Array, blk: int) -> Array:
-    """bool [B, blk, blk]: packed_mask_bias's rule for queries q_lo.. and keys k_lo.. (blk each) of tree rows."""
-    def cut(name, lo):
-        return jax.lax.dynamic_slice_in_dim(tree[name], lo, blk, axis=1)
-    q_id, k_id, k_end = cut("node_ids", q_lo)[:, :, None], cut("node_ids", k_lo)[:, None, :], \
-        cut("node_ends", k_lo)[:, None, :]
-    q_slot, k_slot = q_lo + jnp.arange(blk), k_lo + jnp.arange(blk)
-    ok = (k_slot[None, None, :] <= q_slot[None, :, None]) & (k_id > 0) & (k_id <= q_id) & (q_id <= k_end)
-    w = tree["window"]  # int32 scalar, 0 = no window (a traced choice under scanned Gemma layers)
-    near = cut("positions", k_lo)[:, None, :] > cut("positions", q_lo)[:, :, None] - w
-    return ok & ((w <= 0) | near)
-
-
-def tree_block_attention(q: Array, k: Array, v: Array, tree: dict, blk: int, scale: float,
-                         cap: float | None, dt) -> Array:
-    """Attention over prefix-tree packed rows that skips every (query block, key block) pair the tree hides.
-
-    q [B, K, G, T, D], k, v [B, K, T, D]; tree: node_ids, node_ends, positions int32 [B, T] and window (int32
-    scalar, 0 = none), as packed_mask_bias. Returns [B, K, G, T, D] in dt: the same as a softmax over
-    packed_mask_bias up to float32 summation order. A packed row holds one shared prefix and many leaves; a leaf
-    never sees its siblings, so most blocks of the dense [T, T] scores are masked (and the dense bias alone is
-    T^2 floats). Online softmax over key blocks (flash attention's recurrence), `lax.cond` skips a hidden pair in
-    the forward pass and, transposed, in the backward; each query block is rematerialised, so the backward holds
-    one query block's scores at a time."""
-    B, K, G, T, D = q.shape
-    n = -(-T // blk)
-    pad = n * blk - T
-    if pad:  # padded slots are node 0: visible to nothing
-        q = jnp.pad(q, [(0, 0)] * 3 + [(0, pad), (0, 0)])
-        k, v = (jnp.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) for a in (k, v))
-        tree = {**{n_: jnp.pad(tree[n_], [(0, 0), (0, pad)]) for n_ in ("node_ids", "node_ends", "positions")},
-                "window": tree["window"]}
-    kb = k.reshape(B, K, n, blk, D).transpose(2, 0, 1, 3, 4)  # [n, B, K, blk, D]
-    vb = v.reshape(B, K, n, blk, D).transpose(2, 0, 1, 3, 4)
-    qb = q.reshape(B, K, G, n, blk, D).transpose(3, 0, 1, 2, 4, 5)  # [n, B, K, G, blk, D]
-
-    @jax.checkpoint
-    def query_block(qi, i):
-        def key_block(carry, xs):
-            kj, vj, j = xs
-            ok = _tree_block_visible(tree, i * blk, j * blk, blk)
-
-            def attend(c):
-                m, l, acc = c
-                s = softcap(einsum("bkgtd,bksd->bkgts", qi, kj, dt, jnp.float32) * scale, cap)
-                s = jnp.where(ok[:, None, None], s, _NEG)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                a = jnp.exp(m - m_new)
-                return (m_new, a * l + p.sum(-1),
-                        a[..., None] * acc + einsum("bkgts,bksd->bkgtd", p.astype(dt), vj, dt, jnp.float32))
-            return jax.lax.cond(ok.any(), attend, lambda c: c, carry), None
-
-        init = (jnp.full((B, K, G, blk), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, blk), jnp.float32),
-                jnp.zeros((B, K, G, blk, D), jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, jnp.arange(n)))
-        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # l = 0: a query block of padding only
-
-    out = jax.lax.map(lambda xs: query_block(*xs), (qb, jnp.arange(n)))  # [n, B, K, G, blk, D]
-    return out.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, n * blk, D)[:, :, :, :T]
 
 
 def write_slots(buf: Array, new: Array, index: Array, slot_axis: int = 1) -> Array:
@@ -371,7 +310,7 @@ class Attention(nn.Module):
 
         blk = cfg.attn_query_block
         if isinstance(bias, dict):  # a prefix-tree packed batch in query blocks (CausalLM: segments)
-            out = tree_block_attention(qt, kt, vt, bias, blk, scale, cfg.attn_softcap, dt)
+            out = tree_block_attention(qt, kt, vt, bias, blk, scale, cfg.attn_softcap)
         elif (layer_cache is None or self.fresh) and 0 < blk < T:
             # No cache (or a fresh one): the keys are these T tokens in slot order, so the causal mask hides every key
             # after a query block's last token. Each block attends to keys [0, end) only. The hidden keys' exp() is exactly 0, so

@@ -6,12 +6,13 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from nlac_jax import models, training
 from nlac_jax.training import batching
-from nlac_jax.models import decoder
+from nlac_jax.models import decoder, tree_attention
 from nlac_jax.parallel import sharding
 from nlac_jax.training import loss as loss_lib
 from nlac_jax.training import prefix_packing as pp
@@ -157,7 +158,7 @@ def test_packed_losses_and_grads_equal_unpacked(model_dir, family, scan):
     pytest.param(False, "qwen2", id="unrolled-qwen2"),
     pytest.param(True, "gemma3", id="scanned-gemma3", marks=pytest.mark.slow)])  # sliding windows, a traced choice
 def test_packed_in_query_blocks_skips_hidden_blocks_and_equals_unpacked(model_dir, family, scan):
-    """Rows of 64 tokens in query blocks of 4 (decoder.tree_block_attention): the losses and gradients of the
+    """Rows of 64 tokens in query blocks of 4 (tree_attention.tree_block_attention): the losses and gradients of the
     unpacked batch, whose attention is one dense causal softmax per example."""
     cfg, params = family_model(model_dir, family, scan)
     r = np.random.RandomState(3)
@@ -182,8 +183,8 @@ def test_packed_in_query_blocks_skips_hidden_blocks_and_equals_unpacked(model_di
 
 
 def test_tree_block_attention_equals_the_masked_softmax():
-    """The attention outputs themselves, with a window and a softcap, rows not a multiple of the block (padded),
-    and a row that is padding only: equal to a softmax over packed_mask_bias."""
+    """The attention and its gradients in q, k, v, with a window and a soft-cap, rows not a multiple of the block
+    (padded) and a row of padding only: equal to a dense softmax over packed_mask_bias (jax's autodiff)."""
     r = np.random.RandomState(0)
     ex = random_examples(97, seed=4, n=10)
     packed = pp.pack_shared_prefix(ex, max_len=60, batch_size=4)
@@ -192,18 +193,33 @@ def test_tree_block_attention_equals_the_masked_softmax():
     B, T, K, G, D = ids.shape[0], ids.shape[1], 2, 3, 8
     q = r.randn(B, K, G, T, D).astype(np.float32)
     k, v = (r.randn(B, K, T, D).astype(np.float32) for _ in range(2))
+    w = r.randn(B, K, G, T, D).astype(np.float32) * (ids > 0)[:, None, None, :, None]  # padding queries: unused
+    lists, counts = tree_attention.visible_blocks(np.pad(ids, [(0, 0), (0, 4)]), np.pad(ends, [(0, 0), (0, 4)]), 16)
+    assert int(counts.sum()) < 4 * 5 // 2  # some causal block pairs are skipped
+
     for window, cap in ((None, None), (7, 5.0)):
-        bias = np.asarray(decoder.packed_mask_bias(ids, ends, pos, window))
-        s = decoder.softcap(np.einsum("bkgtd,bksd->bkgts", q, k) * 0.5, cap) + bias
-        p = np.exp(s - s.max(-1, keepdims=True))
-        want = np.einsum("bkgts,bksd->bkgtd", p / p.sum(-1, keepdims=True), v)
+        bias = decoder.packed_mask_bias(ids, ends, pos, window)
+
+        def dense(q, k, v):
+            s = decoder.softcap(jnp.einsum("bkgtd,bksd->bkgts", q, k) * 0.5, cap) + bias
+            return jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(s, -1), v)
         tree = {"node_ids": ids, "node_ends": ends, "positions": pos, "window": np.int32(window or 0)}
-        got = np.asarray(jax.jit(lambda q, k, v, t: decoder.tree_block_attention(q, k, v, t, 16, 0.5, cap, np.float32))(
-            q, k, v, tree))
-        real = ids > 0  # padding queries attend to nothing: their output is not used
-        np.testing.assert_allclose(got.transpose(0, 3, 1, 2, 4)[real], want.transpose(0, 3, 1, 2, 4)[real],
-                                   atol=1e-5, rtol=1e-5)
-        assert np.isfinite(got).all()
+
+        def blocked(q, k, v):
+            return tree_attention.tree_block_attention(q, k, v, tree, 16, 0.5, cap)
+        for fn in (dense, blocked):
+            out, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(), (0, 1, 2)))(q, k, v)
+            if fn is dense:
+                want = (out, grads, np.asarray(dense(q, k, v)))
+                continue
+            got = np.asarray(blocked(q, k, v))
+            real = ids > 0
+            np.testing.assert_allclose(got.transpose(0, 3, 1, 2, 4)[real], want[2].transpose(0, 3, 1, 2, 4)[real],
+                                       atol=1e-5, rtol=1e-5)
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(out, want[0], rtol=1e-5)
+            for g, h in zip(grads, want[1]):
+                np.testing.assert_allclose(g, h, atol=1e-5, rtol=1e-4)
 
 
 def test_packed_losses_hand_computed(model_dir):
