@@ -258,6 +258,7 @@ def layouts(examples, tokenizer, max_len: int, batch_size: int, row_multiple: in
 
 
 QWEN7B = dict(params=7.6e9, layers=28, hidden=3584)
+BLOCK = 128  # ModelConfig.attn_query_block's default: the attention's block size in every layout
 
 
 def report_layouts(lay, res: dict) -> None:
@@ -267,7 +268,8 @@ def report_layouts(lay, res: dict) -> None:
     flops = {}
     for name, (batches, m) in lay.items():
         slots = sum(b.input_ids.size for b in batches)
-        pairs = sum(b.input_ids.shape[0] * b.input_ids.shape[1] ** 2 / 2 for b in batches)
+        done, causal = block_pairs(batches, BLOCK)  # dense causal scores, scaled to the blocks computed
+        pairs = sum(b.input_ids.shape[0] * b.input_ids.shape[1] ** 2 / 2 for b in batches) * done / causal
         flops[name] = 6 * QWEN7B["params"] * slots + 6 * QWEN7B["layers"] * QWEN7B["hidden"] * pairs
         res[name] = dict(m, slots=slots, batches=len(batches), flops_7b=flops[name],
                          shapes=sorted({b.shape for b in batches}))
@@ -277,11 +279,12 @@ def report_layouts(lay, res: dict) -> None:
 
 
 def block_pairs(batches, blk: int) -> tuple[int, int]:
-    """(query block, key block) pairs the step's attention computes, and the causal pairs of the same rows (both
-    summed over rows: a pair is computed for every row of its batch): an
-    unpacked row computes every causal pair (decoder.Attention's query blocks); a prefix-tree row only the pairs
-    in which some query sees some key (decoder.tree_block_attention skips a pair hidden in every row of the batch)."""
+    """(query block, key block) pairs the step's attention computes, and the causal pairs of the same rows, both
+    summed over rows: an unpacked row computes every causal pair (decoder.Attention's query blocks); a prefix-tree
+    batch the pairs `tree_attention.visible_blocks` keeps for it (one list per batch, so per row of it)."""
     import numpy as np
+
+    from nlac_jax.models import tree_attention
     done = causal = 0
     for b in batches:
         B, T = b.input_ids.shape
@@ -290,20 +293,8 @@ def block_pairs(batches, blk: int) -> tuple[int, int]:
         if getattr(b, "node_ids", None) is None:
             done += B * n * (n + 1) // 2
             continue
-        ids = np.pad(np.asarray(b.node_ids), [(0, 0), (0, n * blk - T)])
-        ends = np.pad(np.asarray(b.node_ends), [(0, 0), (0, n * blk - T)])
-        # a key node's subtree is a pre-order id range: block pair (i, j) is visible iff some key s in block j,
-        # some query t >= s in block i, have ids[s] <= ids[t] <= ends[s]; checked per pair on the block's ranges
-        seen = np.zeros((n, n), bool)
-        for i in range(n):
-            q = ids[:, i * blk:(i + 1) * blk]
-            for j in range(i + 1):
-                k, e = ids[:, j * blk:(j + 1) * blk], ends[:, j * blk:(j + 1) * blk]
-                ok = (k[:, None, :] > 0) & (k[:, None, :] <= q[:, :, None]) & (q[:, :, None] <= e[:, None, :])
-                if i == j:
-                    ok &= np.tri(blk, dtype=bool)[None]
-                seen[i, j] = ok.any()
-        done += B * int(seen.sum())
+        ids, ends = (np.pad(np.asarray(x), [(0, 0), (0, n * blk - T)]) for x in (b.node_ids, b.node_ends))
+        done += B * int(tree_attention.visible_blocks(ids, ends, blk)[1].sum())
     return done, causal
 
 
@@ -420,8 +411,8 @@ def main(argv=None) -> int:
     print(f"\ntrain step: {len(examples)} examples, batch_size {a.batch_size}, max_len {a.max_len}, packed rows "
           f"<= {row_len} tokens")
     report_layouts(lay, res)
-    print("  7B est.: the step's FLOPs for Qwen2.5-7B's shape (6 N per slot + 6 L d per dense attention score, "
-          "causal half), relative to unpacked")
+    print("  7B est.: the step's FLOPs for Qwen2.5-7B's shape (6 N per slot + 6 L d per attention score computed: "
+          "the causal half, prefix-tree rows only their visible blocks of 128), relative to unpacked")
     if a.timing:
         import jax
         keep = cpu_flags()
