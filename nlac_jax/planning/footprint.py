@@ -146,15 +146,17 @@ def forward_flops_per_token(cfg, key_len: int) -> int:
         + lm_head_flops_per_token(cfg)
 
 
-def train_step_flops(cfg, batch: int, length: int, loss_chunk: int = 0) -> int:
+def train_step_flops(cfg, batch: int, length: int, loss_chunk: int = 0, key_len: float | None = None) -> int:
     """FLOPs of one optimiser step over `batch` rows of `length` tokens (padding computes too).
 
     backward = 2 x forward; rematerialisation adds a forward: remat='full' all of it; remat='dots' the attention
     contractions (their batch dimensions keep them out of the saved dots); a chunked loss (loss_chunk > 0)
-    recomputes the LM head."""
+    recomputes the LM head. key_len: the keys a token attends to on average (default: every slot of its row; a
+    prefix-tree packed row attends to its visible blocks only, planning.iteration)."""
     tokens = batch * length
-    fwd = forward_flops_per_token(cfg, length)
-    recompute = {"full": fwd, "dots": attention_flops_per_token(cfg, length), "none": 0}[cfg.remat]
+    keys = length if key_len is None else key_len
+    fwd = forward_flops_per_token(cfg, keys)
+    recompute = {"full": fwd, "dots": attention_flops_per_token(cfg, keys), "none": 0}[cfg.remat]
     if loss_chunk and loss_chunk < length:
         recompute += lm_head_flops_per_token(cfg)
     return tokens * (3 * fwd + recompute)

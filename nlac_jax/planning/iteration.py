@@ -233,11 +233,17 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     t["presented"] = sum(n * min(L, T) for n, L in examples)
     t["computed"] = math.ceil(n_ex / B) * B * T  # padded slots
     tail = sum(n * max(0.0, min(L, T) - w.shared_tokens) for n, L in examples)
+    tail_per_example = tail / max(1, n_ex)  # all of it attended, trunk included
     tail -= n_ex * block_trunks(w, block)[0]  # within a block, one episode's transcript once
     packed_rows = math.ceil(tail / max(1.0, T - w.shared_tokens)) if T > w.shared_tokens else n_ex
     t["computed_shared"] = math.ceil(packed_rows / B) * B * T
     t["flops"] = footprint.train_step_flops(cfg, B, T, 0) * math.ceil(n_ex / B)
-    t["flops_shared"] = footprint.train_step_flops(cfg, B, T, 0) * math.ceil(packed_rows / B)
+    # a packed row's attention (models/tree_attention.py) covers only what its tree shows: the head's tokens see the
+    # head, every other token the head and its example's whole tail, trunk included (as every other estimate here,
+    # every slot counts, not the causal half; block granularity ignored)
+    S = min(float(w.shared_tokens), T)
+    keys = (S * S + (T - S) * (S + tail_per_example)) / T if T > w.shared_tokens else T
+    t["flops_shared"] = footprint.train_step_flops(cfg, B, T, 0, key_len=keys) * math.ceil(packed_rows / B)
     t["seconds"] = t["flops"] / (chips * peak_flops)
     t["seconds_shared"] = t["flops_shared"] / (chips * peak_flops)
     total = dict(phase="total", **{k: sum(rows[p][k] for p in PHASES) for k in rows["train"] if k != "phase"})
