@@ -284,6 +284,7 @@ class SelfDistillation(NLAC):
     """
 
     critic_examples: int | None = 0
+    critic_warmup: bool = False  # no critic to warm up: its policy learns from iteration 1, as RFT's and GRPO's
     rollouts: int = 4
     states: int | None = None
     count_rollouts: bool = True

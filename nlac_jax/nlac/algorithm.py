@@ -15,6 +15,10 @@ The two halves are separate methods (`critic_examples_for`, `policy_examples_for
   parameters taken at the arm's start (the warm start), whatever θ/θ̄ the call names (`nlac_frozen_critic`);
 * `MonteCarloNLAC`: L1's targets are summaries of the real futures in the buffer, not Bellman backups;
 * `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation).
+
+`LoopConfig.critic_warmup_iterations` = K: in iterations 1..K every example slot goes to L1 (`_counts`), so the
+policy starts learning from a critic that has learned from real transitions; a variant without a critic to warm up
+sets `critic_warmup = False`.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class NLAC:
     name: str = "nlac"
     frozen_roles: tuple = ()
     frozen_params: Any = dataclasses.field(default=None, repr=False)
+    critic_warmup: bool = True  # obey LoopConfig.critic_warmup_iterations (False: a learner with no critic)
 
     def freeze(self, run: Any) -> "NLAC":
         """Keep a copy of the run's current θ (at the arm's start: the warm start) to serve `frozen_roles`."""
@@ -112,9 +117,13 @@ class NLAC:
     def take_tasks(self, run: Any, n: int) -> list:
         return run.cursor.take(n)
 
-    def _counts(self, run: Any) -> tuple[int, int]:
+    def _counts(self, run: Any, it: int) -> tuple[int, int]:
+        """(L1, L2) transitions for 0-based iteration `it`: during the critic warm-up (it < K) the policy's share
+        goes to L1, and an arm without L1 (critic_examples 0) builds nothing, so its policy waits as long."""
         n_c = run.loop.critic_examples if self.critic_examples is None else self.critic_examples
         n_p = run.loop.policy_examples if self.policy_examples is None else self.policy_examples
+        if self.critic_warmup and it < run.loop.critic_warmup_iterations:
+            return (n_c + n_p if n_c else 0), 0
         return n_c, n_p
 
     def critic_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
@@ -131,7 +140,8 @@ class NLAC:
                  ) -> tuple[list, str]:
         run.buffer.add(transitions)
         metrics.update(run.buffer.stats())
-        n_c, n_p = self._counts(run)
+        n_c, n_p = self._counts(run, it)
+        metrics["nlac/critic_warmup"] = int(n_p == 0 and it < run.loop.critic_warmup_iterations)
         cfg = self.target_cfg or run.target_cfg
         stats = targets.TargetStats()
         # critic first, then policy: the buffer's sampling order (and so every seed's batches) stays as before

@@ -20,6 +20,13 @@ class LoopConfig:
       all processes (each of P processes builds ceil(env_pool / P) and plays its share of the tasks).
     buffer_capacity: replay buffer size (FIFO).
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each kind.
+    critic_warmup_iterations: the first K iterations train the critic only (`nlac.algorithm.NLAC`): all
+      critic_examples + policy_examples transitions become L1 examples, none L2, so the policy (and refiner) start
+      learning at iteration K + 1 from a critic that has already learned from K iterations of real transitions,
+      instead of distilling the critiques of a critic that is still wrong (the actor-critic habit of warming up
+      the value before the policy follows it). NLAC arms without L1 (frozen critic, no L1) build no examples in
+      those iterations, so every NLAC arm's policy trains for the same iterations; learners without a critic
+      (RFT, GRPO, Self-Distillation) ignore it. 0 (the default): no warm-up.
     buffer_episode_blocks: 1 (the default) samples them uniformly; B > 1 draws them in blocks of up to B
       consecutive transitions of one episode (`ReplayBuffer.sample_blocks`; each transition still about equally
       likely), so a batch's states share their episodes' transcripts: what `sampler_trunk_rows` and
@@ -70,6 +77,7 @@ class LoopConfig:
     buffer_episode_blocks: int = 1
     critic_examples: int = 8
     policy_examples: int = 8
+    critic_warmup_iterations: int = 0
     train_steps: int | None = 2
     batch_size: int = 8
     share_prefixes: bool = False
@@ -97,7 +105,7 @@ class LoopConfig:
         at_least_1 = ("iterations", "episodes_per_iteration", "env_pool", "buffer_capacity", "buffer_episode_blocks",
                       "batch_size", "max_len",
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
-        at_least_0 = ("critic_examples", "policy_examples", "eval_episodes", "calibration_transitions",
+        at_least_0 = ("critic_examples", "policy_examples", "critic_warmup_iterations", "eval_episodes", "calibration_transitions",
                       "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix",
                       "sampler_trunk_rows")
         for name in at_least_1:

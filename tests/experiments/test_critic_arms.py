@@ -148,7 +148,7 @@ def _toy_episode(target, guesses, n=8):
 def _fake_run(roles, params=None, critic=4, policy=4):
     from nlac_jax.nlac.targets import TargetConfig
     lc = types.SimpleNamespace(critic_examples=critic, policy_examples=policy, dump_examples=1, buffer_capacity=100,
-                               buffer_episode_blocks=1,
+                               buffer_episode_blocks=1, critic_warmup_iterations=0,
                                episodes_per_iteration=2)
     return types.SimpleNamespace(loop=lc, prompts=PS, roles=roles, target_cfg=TargetConfig(),
                                  buffer=ReplayBuffer(100), env_name="toy",
@@ -201,6 +201,36 @@ def test_buffer_episode_blocks_choose_every_learners_transitions(monkeypatch):
     learner.examples(run, 0, [], [], rng(), {})
     arms.make_learner("nlql", run).policy_examples_for(run, [], rng(), 3, None, None, {})
     assert seen == [4, 4, -3]
+
+
+def test_critic_warmup_gives_every_example_slot_to_l1_then_hands_over(monkeypatch):
+    """LoopConfig.critic_warmup_iterations = K: iterations 0..K-1 (0-based) build L1 examples only, with the
+    policy's share added; from iteration K the counts are the configured ones. Arms without L1 build nothing
+    during the warm-up (their policy waits as long); Self-Distillation, which has no critic, does not wait."""
+    roles = _nlac_roles()
+    run = _fake_run(roles, critic=3, policy=5)
+    run.loop.critic_warmup_iterations = 2
+    _, trs = _toy_episode(6, [4, 7, 6])
+    for it, want_kinds in ((0, {0}), (1, {0}), (2, {0, 1})):
+        m = {}
+        ex, _ = arms.make_learner("nlac", run).examples(run, it, [], trs if it == 0 else [],
+                                                     np.random.default_rng(it), m)
+        assert {e.kind for e in ex} == want_kinds, (it, [e.kind for e in ex])
+        assert m["nlac/critic_warmup"] == int(it < 2)
+    for arm in ("nlac", "nlac_mc_critic", "nlac_frozen_critic", "nlac_no_l1", "self_distillation"):
+        learner = arms.make_learner(arm, run)
+        for it in (1, 2):
+            n_c, n_p = learner._counts(run, it)
+            want = {("nlac", 1): (8, 0), ("nlac", 2): (3, 5), ("nlac_mc_critic", 1): (8, 0),
+                    ("nlac_mc_critic", 2): (3, 5), ("nlac_frozen_critic", 1): (0, 0),
+                    ("nlac_frozen_critic", 2): (0, 5), ("nlac_no_l1", 1): (0, 0), ("nlac_no_l1", 2): (0, 5),
+                    ("self_distillation", 1): (0, 5), ("self_distillation", 2): (0, 5)}[arm, it]
+            assert (n_c, n_p) == want, (arm, it, n_c, n_p)
+    # and the draws NLAC makes follow those counts
+    seen = []
+    monkeypatch.setattr(algorithm, "buffer_batch", lambda r, n, g: seen.append(n) or [])
+    arms.make_learner("nlac", run).examples(run, 0, [], [], np.random.default_rng(0), {})
+    assert seen == [8, 0]
 
 
 def test_mc_critic_trains_the_successor_on_the_real_futures():
