@@ -36,7 +36,7 @@ def no_persistent_cache():
 @pytest.fixture(scope="session")
 def one_process_reference(tmp_path_factory, request):
     """The workdir of one uninterrupted 1-process run (2 devices) of test_multihost's demo config: the reference
-    that every 2-process run (test_multihost, test_gcs_run) must end equal to. Run once per `make test`: the xdist
+    that the 2-process run (test_gcs_run) must end equal to. Run once per `make test`: the xdist
     workers share it through their common base directory (the first to ask builds it under a lock, the other
     waits for it instead of running it again); a run that failed is not recorded, so the next asker retries."""
     import fcntl
@@ -58,7 +58,7 @@ def one_process_reference(tmp_path_factory, request):
 
 
 # the files with multi-minute subprocess runs, longest first (make test's --durations): scheduled before the rest
-LONGEST_FIRST = ("test_gcs_run.py", "test_loop.py", "test_multihost.py", "test_judges.py", "test_disk_full.py",
+LONGEST_FIRST = ("test_gcs_run.py", "test_loop.py", "test_judges.py", "test_disk_full.py",
                  "test_experiments_unit_scale.py", "test_plan.py")
 
 

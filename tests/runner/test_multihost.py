@@ -1,5 +1,6 @@
-"""Several JAX processes: the start-up rule (never initialise for one process), the share / gather helpers, and a
-real 2-process run on localhost (gloo CPU collectives) against a 1-process run of the same config.
+"""Several JAX processes: the start-up rule (never initialise for one process), the share / gather helpers, the
+rollout protocol in threads, and the helpers of the real 2-process runs on localhost (gloo CPU collectives) that
+tests/runner/test_gcs_run.py launches (preempted, killed and resumed) against a 1-process run of the same config.
 
 Why the two runs must be equal: the 1-process run has 2 CPU devices (XLA_FLAGS), the 2-process run 1 device per
 process, so both build the same mesh (fsdp=2) and the same compiled programs. The 2-process run divides only the
@@ -21,7 +22,6 @@ import time
 import numpy as np
 import pytest
 
-from nlac_jax.models import hf_io
 from nlac_jax.parallel import distributed
 from xla_test_flags import xla_flags
 
@@ -272,87 +272,3 @@ def _loop_state(workdir, step):
             if isinstance(state, dict) and "iteration" in state:
                 return state
     raise AssertionError(f"no loop_state JSON under {d}")
-
-
-def _two_process_jobs(workdir: str, **extra) -> dict:
-    coord = f"localhost:{_free_port()}"
-    return {f"process_{i}": (_cmd(workdir), _env(1, JAX_COORDINATOR_ADDRESS=coord, JAX_NUM_PROCESSES="2",
-                                                 JAX_PROCESS_ID=str(i), **extra)) for i in range(2)}
-
-
-def _assert_same_export(one: str, two: str) -> None:
-    a = hf_io.SafetensorsFile(os.path.join(one, "hf_export", "model.safetensors"))
-    b = hf_io.SafetensorsFile(os.path.join(two, "hf_export", "model.safetensors"))
-    assert sorted(a.keys()) == sorted(b.keys())
-    for k in a.keys():
-        np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
-
-
-@pytest.mark.slow
-def test_two_processes_preempted_and_resumed_equal_one_process(tmp_path, one_process_reference):
-    """2 demo iterations as 2 processes on localhost, preempted and resumed, == the same run as 1 process with 2
-    devices (the module docstring says why they are equal).
-
-    A preemption notice reaches only process 1, during iteration 1 (both held at the start of its train phase):
-    both processes finish iteration 1, agree to stop there, save it (checkpoint_every would not) and exit 143 with
-    one line from process 0; the same command resumes both at iteration 1 and ends equal to the 1-process run: every
-    metric (times and the per-process episode count excepted), the exported θ bit for bit, the checkpointed buffer.
-    No retry: the start-up decides "resume or fresh" once, on process 0 (loop.latest_checkpoint_step), so no barrier
-    depends on what a process saw on the filesystem, at a fresh start or at a resume
-    (benchmarks/repeat_multihost.sh runs this test 20 times)."""
-    two, marker = str(tmp_path / "two"), tmp_path / "hold"
-    every5 = "--gin_param=LoopConfig.checkpoint_every = 5"
-    jobs = {n: (cmd + [every5], env) for n, (cmd, env) in _two_process_jobs(
-        two, NLAC_TEST_HOLD_AT="1:train", NLAC_TEST_HOLD_FILE=str(marker)).items()}
-    procs = {}
-    try:
-        for name, (cmd, env) in jobs.items():
-            with open(tmp_path / f"{name}.log", "w") as f:
-                procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
-        held = [f"{marker}.p{i}" for i in range(2)]
-        deadline = time.monotonic() + TIMEOUT_S  # hang guard only: the runs wait at their markers
-        while not all(os.path.exists(h) for h in held):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), \
-                "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in procs)
-            time.sleep(0.1)
-        procs["process_1"].send_signal(signal.SIGTERM)  # its hold ends on the signal,
-        os.remove(held[0])  # process 0's when its marker goes: it was never signalled
-        codes = {n: p.wait(timeout=TIMEOUT_S) for n, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    out = {n: (tmp_path / f"{n}.log").read_text() for n in procs}
-    assert codes == {"process_0": 143, "process_1": 143}, {n: o[-2000:] for n, o in out.items()}
-    said = [ln for ln in out["process_0"].splitlines() if "stopped by SIGTERM" in ln]
-    assert said == [f"{two}: stopped by SIGTERM after saving iteration 1 of 2 (checkpoint step 1); rerun the same "
-                    f"command to resume"]
-    assert "stopped by SIGTERM after" not in out["process_1"]  # process 0 alone reports
-    assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "files"]  # files: the buffer's segments
-
-    assert "process 0 of 2" in out["process_0"]  # jax.distributed really ran with 2 processes
-
-    resumed = _run({n: (cmd + [every5], env) for n, (cmd, env) in _two_process_jobs(two).items()}, tmp_path)
-    assert "resumed from" in resumed["process_0"]
-    _assert_same_export(one_process_reference, two)
-    assert os.path.isfile(os.path.join(two, "hf_export", "tokenizer.json"))  # written by process 0
-    ma, mb = _metrics(one_process_reference), _metrics(two)
-    assert [m["iteration"] for m in mb] == [1, 2]
-    assert mb[0]["collect/episodes_this_process"] == 2 and ma[0]["collect/episodes_this_process"] == 4
-    assert mb[0]["collect/num_episodes"] == 4 and mb[1]["eval/num_episodes"] == 2
-    for x, y in zip(ma, mb):
-        assert sorted(x) == sorted(y)
-        for k in x:
-            if not any(s in k for s in NOT_COMPARED):
-                assert x[k] == y[k], (x["iteration"], k, x[k], y[k])
-
-    la, lb = _loop_state(one_process_reference, 2), _loop_state(two, 2)
-    assert la["buffer"] == lb["buffer"] and la["cursor"] == lb["cursor"]
-    assert lb["process_count"] == 2 and [p["process_index"] for p in lb["processes"]] == [0, 1]
-    assert lb["processes"][0]["buffer_sha256"] == lb["processes"][1]["buffer_sha256"]
-
-    # only process 0 reports: its summary table and INFO lines; process 1 says nothing unless something is wrong
-    assert "L1 critic" in resumed["process_0"] and "L1 critic" not in resumed["process_1"]
-    assert " INFO " not in resumed["process_1"], resumed["process_1"][-2000:]
