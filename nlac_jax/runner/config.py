@@ -27,6 +27,11 @@ class LoopConfig:
       the value before the policy follows it). NLAC arms without L1 (frozen critic, no L1) build no examples in
       those iterations, so every NLAC arm's policy trains for the same iterations; learners without a critic
       (RFT, GRPO, Self-Distillation) ignore it. 0 (the default): no warm-up.
+    critic_warmup_lr_scale: the learning rate is multiplied by this during the first critic_warmup_iterations *
+      train_steps optimiser updates (`training.make_schedule`'s boost). Why: Adam's step size does not grow with
+      the number of L1 examples, so more L1 slots alone do not make the critic learn faster. It is part of the
+      run's one schedule, so every learner run under it gets the same rates (RFT, GRPO and Self-Distillation do not
+      wait, but their first updates are boosted too). 1.0 (the default): off; needs train_steps set.
     buffer_episode_blocks: 1 (the default) samples them uniformly; B > 1 draws them in blocks of up to B
       consecutive transitions of one episode (`ReplayBuffer.sample_blocks`; each transition still about equally
       likely), so a batch's states share their episodes' transcripts: what `sampler_trunk_rows` and
@@ -78,6 +83,7 @@ class LoopConfig:
     critic_examples: int = 8
     policy_examples: int = 8
     critic_warmup_iterations: int = 0
+    critic_warmup_lr_scale: float = 1.0
     train_steps: int | None = 2
     batch_size: int = 8
     share_prefixes: bool = False
@@ -117,6 +123,12 @@ class LoopConfig:
         for name in ("export_hf", "eval_before_training"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LoopConfig.{name} = {getattr(self, name)!r}: expected True or False")
+        scale = self.critic_warmup_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"LoopConfig.critic_warmup_lr_scale = {scale!r}: expected a number > 0")
+        if scale != 1 and (self.critic_warmup_iterations == 0 or self.train_steps is None):
+            raise ValueError(f"LoopConfig.critic_warmup_lr_scale = {scale!r} needs critic_warmup_iterations > 0 and "
+                             f"train_steps set (got {self.critic_warmup_iterations} and {self.train_steps})")
         if self.seqio_task is not None and not isinstance(self.seqio_task, str):
             raise TypeError(f"LoopConfig.seqio_task = {self.seqio_task!r}: expected a task name or None")
 

@@ -70,6 +70,16 @@ def _phase_seed(seed: int, iteration: int, phase: str) -> int:
     return (seed * 1_000_003 + iteration + 1) * 16 + PHASES.index(phase)
 
 
+def run_optimizer(loop: LoopConfig) -> training.Optimizer:
+    """The run's optimizer: gin's `make_optimizer` / `make_schedule`, with the learning rate multiplied by
+    loop.critic_warmup_lr_scale over the critic-only warm-up's critic_warmup_iterations * train_steps updates."""
+    boost = loop.critic_warmup_lr_scale
+    if boost == 1:
+        return training.make_optimizer()
+    return training.make_optimizer(training.make_schedule(
+        boost_steps=loop.critic_warmup_iterations * loop.train_steps, boost_factor=float(boost)))
+
+
 class NLACRun:
     """Everything one run needs, built from the gin config: mesh, model, train step, sampler, envs, buffer."""
 
@@ -106,7 +116,7 @@ class NLACRun:
         self.mesh = sharding.make_mesh()
         self.cfg, self.tokenizer, model_dir = build_model()
         self._fit_prompts()
-        self.optimizer = training.make_optimizer()
+        self.optimizer = run_optimizer(self.loop)
         self.step_fn = training.make_train_step(self.cfg, self.mesh, self.optimizer)
         if jax.process_index() == 0:  # what each chip holds of θ, per parameter class (the planner's numbers)
             log.info("%s", footprint.param_class_table(self.cfg, self.mesh))

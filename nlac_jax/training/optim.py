@@ -20,7 +20,8 @@ NO_DECAY_KEYS = ("scale", "bias")
 
 @gin.configurable
 def make_schedule(learning_rate: float = 1e-5, warmup_steps: int = 0, decay: str = "constant",
-                  total_steps: int = 0, end_lr_ratio: float = 0.0) -> Callable[[Any], jax.Array]:
+                  total_steps: int = 0, end_lr_ratio: float = 0.0, boost_steps: int = 0,
+                  boost_factor: float = 1.0) -> Callable[[Any], jax.Array]:
     """Learning rate as a function of the applied-update count c = 0, 1, 2, ...
 
     warmup: lr(c) = learning_rate * (c + 1) / warmup_steps for c < warmup_steps (the first update is already
@@ -28,11 +29,15 @@ def make_schedule(learning_rate: float = 1e-5, warmup_steps: int = 0, decay: str
     decay='constant': lr(c) = learning_rate after warmup.
     decay='cosine': after warmup, cosine from learning_rate down to learning_rate * end_lr_ratio at
       c = total_steps (and constant afterwards); needs total_steps > warmup_steps.
+    boost: lr(c) is multiplied by boost_factor for c < boost_steps (the runner sets it from
+      LoopConfig.critic_warmup_lr_scale, to speed up a critic-only warm-up; off by default).
     """
     if decay not in ("constant", "cosine"):
         raise ValueError(f"make_schedule.decay={decay!r}: expected 'constant' or 'cosine'")
     if decay == "cosine" and total_steps <= warmup_steps:
         raise ValueError(f"cosine decay needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})")
+    if boost_steps < 0 or boost_factor <= 0:
+        raise ValueError(f"make_schedule: boost_steps={boost_steps} must be >= 0 and boost_factor={boost_factor} > 0")
     peak = float(learning_rate)
 
     def schedule(count):
@@ -43,6 +48,8 @@ def make_schedule(learning_rate: float = 1e-5, warmup_steps: int = 0, decay: str
             lr = peak * (end_lr_ratio + (1.0 - end_lr_ratio) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
         if warmup_steps > 0:
             lr = jnp.where(c < warmup_steps, peak * (c + 1.0) / warmup_steps, lr)
+        if boost_steps > 0 and boost_factor != 1.0:
+            lr = jnp.where(c < boost_steps, lr * boost_factor, lr)
         return lr
 
     return schedule

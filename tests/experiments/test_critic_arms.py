@@ -233,6 +233,24 @@ def test_critic_warmup_gives_every_example_slot_to_l1_then_hands_over(monkeypatc
     assert seen == [8, 0]
 
 
+def test_critic_warmup_lr_scale_boosts_only_the_warmup_updates():
+    """LoopConfig.critic_warmup_lr_scale = m: the run's schedule gives m x the gin rate for the warm-up's
+    K * train_steps updates, then the gin rate; bad values are refused by name at start-up."""
+    from nlac_jax.runner.config import LoopConfig
+    from nlac_jax.runner.loop import run_optimizer
+    boosted = run_optimizer(LoopConfig(critic_warmup_iterations=3, train_steps=4, critic_warmup_lr_scale=4.0))
+    plain = run_optimizer(LoopConfig(critic_warmup_iterations=3, train_steps=4))  # the gin schedule as it is
+    got = np.array([float(boosted.schedule(c)) for c in (0, 5, 11, 12, 13, 100)])
+    want = np.array([float(plain.schedule(c)) for c in (0, 5, 11, 12, 13, 100)]) * [4, 4, 4, 1, 1, 1]
+    assert want[0] > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for bad, match in ((dict(critic_warmup_lr_scale=0.0, critic_warmup_iterations=2), "expected a number > 0"),
+                       (dict(critic_warmup_lr_scale=2.0), "needs critic_warmup_iterations > 0"),
+                       (dict(critic_warmup_lr_scale=2.0, critic_warmup_iterations=2, train_steps=None), "train_steps")):
+        with pytest.raises(ValueError, match=match):
+            LoopConfig(**bad)
+
+
 def test_mc_critic_trains_the_successor_on_the_real_futures():
     roles = _nlac_roles()
     run = _fake_run(roles, critic=10, policy=0)

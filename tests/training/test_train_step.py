@@ -383,6 +383,11 @@ def test_schedule_and_weight_decay_mask():
                                [0.25, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
     c = training.make_schedule(2.0)
     assert float(c(0)) == float(c(10 ** 6)) == 2.0
+    # the warm-up boost multiplies whatever the schedule gives for the first boost_steps updates
+    b = training.make_schedule(1.0, warmup_steps=2, boost_steps=3, boost_factor=4.0)
+    np.testing.assert_allclose([float(b(c)) for c in (0, 1, 2, 3, 50)], [2.0, 4.0, 4.0, 1.0, 1.0], rtol=1e-6)
+    with pytest.raises(ValueError, match="boost_factor=0"):
+        training.make_schedule(1.0, boost_steps=3, boost_factor=0)
     mask = training.decay_mask(init_params())
     assert mask["layers"]["attn"]["q_proj"]["kernel"] and mask["embed"]["embedding"] and mask["lm_head"]
     assert not mask["layers"]["attn"]["q_proj"]["bias"] and not mask["final_norm"]["scale"]
