@@ -11,7 +11,10 @@ for every role and the policy (they all read it through the same rendered line).
   that." (an unanswerable or refused question) keeps everyone; a guess answered "No." drops the objects it names.
   The classification of a question mirrors ``ScriptedOracle.answer`` (attribute, then category, then guess);
 * ``dominated_question``: an action the public state already shows useless (for ``nlac.TargetConfig.target_filter``);
-* ``public_state``: history items ("alive? yes"), candidate names, questions left: what the compact prompts
+* ``even_splits``: the unasked attributes that split the still-possible objects most evenly (a count over the
+  public table, which the policy could make itself);
+* ``public_state``: history items ("alive? yes"), candidate names, questions left and, when
+  ``state_lines.show_even_splits`` is on, the even splits: what the compact prompts
   (``nlac/templates/twenty_questions_forecast/_state.txt``) render.
 
 Nothing here reads the hidden object or the oracle's hidden refusal rule: only the transcript and the table.
@@ -27,10 +30,10 @@ from typing import Optional, Sequence
 import gin
 
 from nlac_jax.envs.twenty_questions import (ANSWER_WORDS, MAX_QUESTIONS, ObjectTable, answer_word, candidates,
-                                            load_object_table, public_category)
+                                            canonical_question, load_object_table, public_category)
 
 __all__ = ["ANSWER_WORDS", "answer_word", "world_of", "table_of_world", "candidates", "public_state",
-           "dominated_question"]
+           "dominated_question", "attribute_order", "asked_attributes", "even_splits", "state_lines"]
 
 _WORLD_RE = re.compile(r"\bWorld: ([A-Za-z0-9_\-]+)\.")
 _MAX_RE = re.compile(r"You have at most (\d+) questions")
@@ -60,9 +63,43 @@ def _short(action: str) -> str:
     return text[:SHORT_ACTION_CHARS] or "(empty)"
 
 
+def attribute_order(table: ObjectTable) -> tuple[str, ...]:
+    """The table's attributes in its (public, fixed) order."""
+    return tuple(dict.fromkeys(table.attribute_questions.values()))
+
+
+def asked_attributes(state_messages: Sequence[dict], table: ObjectTable) -> set:
+    """The attributes the agent's messages have asked about (either phrasing), answered or not."""
+    return {a for a in (table.attribute_questions.get(canonical_question(str(m.get("content", ""))))
+                        for m in state_messages if m.get("role") == "assistant") if a is not None}
+
+
+def even_splits(state_messages: Sequence[dict], table: ObjectTable) -> list[str]:
+    """The unasked attributes whose yes/no answer splits the still-possible objects most evenly (smallest
+    |#yes - #no|), in ``attribute_order``; [] when no unasked attribute splits them at all (one object left, or
+    every remaining attribute answered alike). Public: the transcript and the table only, never the refusal rule."""
+    names, _ = candidates(state_messages, table)
+    asked = asked_attributes(state_messages, table)
+    unasked = [a for a in attribute_order(table) if a not in asked]
+    if not names or not unasked:
+        return []
+    objs = [table.find(n) for n in names]
+    balance = {a: abs(2 * sum(a in o.attributes for o in objs) - len(objs)) for a in unasked}
+    best = min(balance.values())
+    return [a for a in unasked if balance[a] == best] if best < len(objs) else []
+
+
+@gin.configurable(module='nlac_jax.envs')
+def state_lines(show_even_splits: bool = False) -> dict:
+    """Which optional helper lines the compact 20 Questions state shows (gin): ``show_even_splits`` adds "Even
+    splits: alive?, loud?." (``even_splits``). Every role and the policy read the same line."""
+    return {"even_splits": bool(show_even_splits)}
+
+
 def public_state(state_messages: Sequence[dict], table: Optional[ObjectTable] = None) -> dict:
     """The compact public state: {'history': ["alive? yes", "metal? can't answer", ...], 'candidates': [names],
-    'left': questions left, 'world': the world's name}. ``table`` None: the world the system message names."""
+    'left': questions left, 'world': the world's name, 'splits': ``even_splits`` as questions ["alive?", ...], or
+    None when ``state_lines.show_even_splits`` is off}. ``table`` None: the world the system message names."""
     world = world_of(state_messages)
     table = table if table is not None else table_of_world(world)
     names, asked = candidates(state_messages, table)
@@ -81,7 +118,8 @@ def public_state(state_messages: Sequence[dict], table: Optional[ObjectTable] = 
         if found:
             n_max = int(found.group(1))
             break
-    return {"history": history, "candidates": names, "left": n_max - len(asked), "world": world}
+    splits = [f"{a}?" for a in even_splits(state_messages, table)] if state_lines()["even_splits"] else None
+    return {"history": history, "candidates": names, "left": n_max - len(asked), "world": world, "splits": splits}
 
 
 @gin.configurable(module='nlac_jax.envs')

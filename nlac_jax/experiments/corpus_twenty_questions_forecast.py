@@ -58,7 +58,8 @@ from nlac_jax.envs.base import Task, TaskCursor
 from nlac_jax.envs.transition import Transition
 from nlac_jax.envs.twenty_questions import (ObjectTable, ScriptedOracle, TwentyQuestionsEnv,
                                             TwentyQuestionsTaskSource, canonical_question, load_object_table)
-from nlac_jax.envs.twenty_questions_state import ANSWER_WORDS, answer_word, candidates
+from nlac_jax.envs.twenty_questions_state import (ANSWER_WORDS, answer_word, asked_attributes, attribute_order,
+                                                 candidates, even_splits)
 from nlac_jax.experiments.corpus import (CorpusExample, backup_example, greedy_settings, play_episode,
                                          prefixed_chooser, terminal_summary)
 from nlac_jax.nlac.prompts import PromptSet
@@ -112,7 +113,7 @@ WASTED_WORDS = ("can't answer", "error")
 
 def bank(table: ObjectTable) -> tuple[str, ...]:
     """The attributes in the table's (public, fixed) order: the bank order of the critique's alternatives."""
-    return tuple(dict.fromkeys(table.attribute_questions.values()))
+    return attribute_order(table)
 
 
 def partners(table: ObjectTable, corpus_refused: Sequence[str], rl_refused: Sequence[str]) -> dict:
@@ -135,8 +136,7 @@ def attribute_of(question: str, table: ObjectTable) -> Optional[str]:
 
 
 def _asked_attributes(state: Sequence[dict], table: ObjectTable) -> set:
-    return {a for a in (attribute_of(m.get("content", ""), table) for m in state if m.get("role") == "assistant")
-            if a is not None}
+    return asked_attributes(state, table)
 
 
 def behaviour_action(state: Sequence[dict], table: ObjectTable, rng: random.Random,
@@ -151,11 +151,9 @@ def behaviour_action(state: Sequence[dict], table: ObjectTable, rng: random.Rand
     unasked = [a for a in bank(table) if a not in asked_attrs]
     u = rng.random() * (p_best + p_random + p_guess + p_repeat)
     if u < p_best and unasked:
-        objs = [table.find(n) for n in names]
-        balance = {a: abs(2 * sum(a in o.attributes for o in objs) - len(objs)) for a in unasked}
-        best = min(balance.values())
-        if best < len(objs):  # an attribute that splits the candidates at all
-            return f"{rng.choice([a for a in unasked if balance[a] == best])}?"
+        best = even_splits(state, table)  # the public "Even splits" line's attributes (when the prompts show it)
+        if best:  # an attribute that splits the candidates at all
+            return f"{rng.choice(best)}?"
     elif u < p_best + p_random and unasked:
         return f"{rng.choice(unasked)}?"
     elif u >= p_best + p_random + p_guess:

@@ -36,6 +36,37 @@ def test_state_line_by_hand(ps):
                             "hat, box, pen, car, bell (16); 7 questions left.")
 
 
+def test_even_splits_line_by_hand(ps):
+    """nlac_jax.envs.state_lines.show_even_splits adds the unasked attributes that split the possible objects most
+    evenly: every attribute at the opening (the [8,4,4] code splits 16 objects 8/8); after alive, metal and edible
+    (all yes: cup, bell) the four where cup and bell differ, not loud (both loud); a refused attribute counts as
+    asked; with one object left, none. Off (the default), the line is absent."""
+    import gin
+
+    from nlac_jax.envs.twenty_questions_state import even_splits
+    table = load_object_table("unit")
+    assert even_splits(_state("cup", []), table) == ["alive", "metal", "edible", "heavy", "soft", "round", "wooden",
+                                                      "loud"]
+    cup_bell = _state("cup", ["alive?", "metal?", "edible?"], refused=())
+    assert even_splits(cup_bell, table) == ["heavy", "soft", "round", "wooden"]
+    refused = _state("cup", ["alive?", "metal?", "edible?"], refused=("metal",))  # 8 alive objects stay: cup, bell,
+    assert even_splits(refused, table) == ["heavy", "soft", "round", "wooden", "loud"]  # key, pen edible (4/8)
+    assert even_splits(_state("cup", ["alive?", "metal?", "edible?", "heavy?"], refused=()), table) == []
+    assert "Even splits" not in ps.policy(cup_bell)[0]["content"]
+    with gin.unlock_config():
+        gin.bind_parameter("nlac_jax.envs.state_lines.show_even_splits", True)
+    try:
+        assert ps.policy(cup_bell)[0]["content"] == (
+            "ASK.\nHistory: alive? yes, metal? yes, edible? yes.\nPossible now: cup, bell (2); 4 questions left.\n"
+            "Even splits: heavy?, soft?, round?, wooden?.")
+        last = ps.policy(_state("cup", ["alive?", "metal?", "edible?", "heavy?"], refused=()))[0]["content"]
+        assert last.endswith("Possible now: cup (1); 3 questions left.\nEven splits: none.")
+        assert ps.successor(cup_bell, "soft?")[0]["content"].endswith("Even splits: heavy?, soft?, round?, wooden?."
+                                                                       "\nQuestion: soft?")
+    finally:
+        gin.clear_config()
+
+
 def test_roles_share_the_state_and_end_with_the_action(ps):
     state = _state("owl", ["alive?", "metal?"])
     line = ps.policy(state)[0]["content"].split("\n", 1)[1]
