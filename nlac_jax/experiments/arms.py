@@ -405,23 +405,42 @@ class SkillRehearsal:
     stay equal. Why: on one 1M-parameter network, the steps L1 needs to re-learn the critic's knowledge erase the
     copying skills the other roles need (README, "Does NLAC learn?"); rehearsal keeps the skills without teaching
     anything about the RL game. The draw uses its own stream (``seed``, iteration), not the arm's RNG, so an arm's
-    own choices are the same with or without it."""
+    own choices are the same with or without it.
 
-    def __init__(self, inner: Any, pool: Sequence, per_iteration: int, seed: int = 0):
-        if per_iteration < 0:
-            raise ValueError(f"per_iteration must be >= 0, got {per_iteration}")
-        if per_iteration and not pool:
-            raise ValueError("SkillRehearsal needs a non-empty pool")
+    ``warmup_pool`` / ``warmup_per_iteration``: during the critic-only warm-up (iterations <
+    `LoopConfig.critic_warmup_iterations`, and only for a learner that obeys it: ``critic_warmup`` True), also
+    ``warmup_per_iteration`` draws from ``warmup_pool`` (the seed's corpus-game policy examples:
+    `unit_scale.warmup_policy_pool`). Why: the warm-up trains L1 on the shared θ and no policy example holds the
+    policy where it was (at 4x the warm-up learning rate its train success fell from 0.29 to 0.10); the draws only
+    rehearse what the warm start already imitates, so they carry nothing of the RL game.
+    """
+
+    def __init__(self, inner: Any, pool: Sequence, per_iteration: int, seed: int = 0,
+                 warmup_pool: Sequence = (), warmup_per_iteration: int = 0):
+        for name, k, p in (("per_iteration", per_iteration, pool),
+                           ("warmup_per_iteration", warmup_per_iteration, warmup_pool)):
+            if k < 0:
+                raise ValueError(f"{name} must be >= 0, got {k}")
+            if k and not p:
+                raise ValueError(f"SkillRehearsal needs a non-empty pool for {name} = {k}")
         self.inner, self.pool, self.per_iteration, self.seed = inner, list(pool), int(per_iteration), int(seed)
+        self.warmup_pool, self.warmup_per_iteration = list(warmup_pool), int(warmup_per_iteration)
 
     def __getattr__(self, name: str):  # take_tasks, routing, name, ...: the wrapped arm's
         return getattr(self.inner, name)
 
     def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict
                  ) -> tuple[list, str]:
-        """The wrapped arm's examples, then ``per_iteration`` rehearsal examples (with replacement)."""
+        """The wrapped arm's examples, then ``per_iteration`` rehearsal examples (with replacement), then, during
+        the critic warm-up, ``warmup_per_iteration`` policy rehearsal examples."""
         ex, dump = self.inner.examples(run, it, episodes, transitions, rng, metrics)
         pick = np.random.default_rng([self.seed, it, 7]).choice(len(self.pool), self.per_iteration) \
             if self.per_iteration else []
         metrics["rehearsal/examples"] = len(pick)
-        return list(ex) + [self.pool[i] for i in pick], dump
+        warming = (self.warmup_per_iteration and getattr(self.inner, "critic_warmup", False)
+                   and it < run.loop.critic_warmup_iterations)
+        wpick = np.random.default_rng([self.seed, it, 11]).choice(len(self.warmup_pool), self.warmup_per_iteration) \
+            if warming else []
+        if self.warmup_per_iteration:
+            metrics["rehearsal/policy_examples"] = len(wpick)
+        return list(ex) + [self.pool[i] for i in pick] + [self.warmup_pool[i] for i in wpick], dump

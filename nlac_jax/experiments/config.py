@@ -51,6 +51,10 @@ class UnitScaleConfig:
       consequences; None: no check.
     rehearsal_examples: per iteration, every trained arm also trains on this many skill examples of its seed's
       corpus (`arms.SkillRehearsal`; the learned-critic corpus only; 0: none).
+    warmup_policy_rehearsal: per iteration of the critic-only warm-up (`LoopConfig.critic_warmup_iterations`),
+      every arm that obeys the warm-up also trains on this many of its seed's corpus-game policy examples
+      (`unit_scale.warmup_policy_pool`; what the warm start already imitates, nothing of the RL game), so the policy
+      is held while L1 moves the shared parameters (the learned-critic corpora only; 0: none).
     """
 
     arms: tuple = ARMS
@@ -73,6 +77,7 @@ class UnitScaleConfig:
     premise_min_gap: float | None = None
     premise_max_rl_gap: float | None = None
     rehearsal_examples: int = 0
+    warmup_policy_rehearsal: int = 0
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -89,6 +94,9 @@ class UnitScaleConfig:
                 raise ValueError(f"UnitScaleConfig.warm_role_repeat[{role!r}] must be an integer >= 1, got {k!r}")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
+        if int(self.warmup_policy_rehearsal) < 0:
+            raise ValueError(f"UnitScaleConfig.warmup_policy_rehearsal must be >= 0, got "
+                             f"{self.warmup_policy_rehearsal!r}")
         for name in ("iterations", "eval_every", "grpo_group_size", "n", "corpus_episodes", "warm_steps",
                      "warm_batch_size"):
             if int(getattr(self, name)) < 1:

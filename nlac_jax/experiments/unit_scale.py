@@ -133,17 +133,33 @@ def _reset(run, warm_params, seed: int, iterations: int, eval_every: int) -> Non
     run.roles.seed = seed
 
 
+def _seed_corpus(xcfg, seed: int, knob: str) -> list:
+    """The corpus examples seed ``seed``'s warm start was built from (the learned-critic corpora only; ``knob`` names
+    the UnitScaleConfig field that needs them, for the error)."""
+    if xcfg.corpus not in ("toy_forecast", "twenty_questions_forecast"):
+        raise ValueError(f"UnitScaleConfig.{knob} needs corpus = 'toy_forecast' or 'twenty_questions_forecast' "
+                         f"(their skill and corpus games)")
+    offset = seed if xcfg.warm_start_per_seed else 0
+    return corpus_examples(xcfg, xcfg.corpus_seed + offset)[0]
+
+
 def rehearsal_pool(xcfg, seed: int) -> list:
     """The skill examples every trained arm of seed ``seed`` rehearses (`UnitScaleConfig.rehearsal_examples`): the
     backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste or refusal sets,
     no rule)."""
-    if xcfg.corpus not in ("toy_forecast", "twenty_questions_forecast"):
-        raise ValueError("UnitScaleConfig.rehearsal_examples needs corpus = 'toy_forecast' or "
-                         "'twenty_questions_forecast' (their skill games)")
-    offset = seed if xcfg.warm_start_per_seed else 0
-    examples, _ = corpus_examples(xcfg, xcfg.corpus_seed + offset)
+    examples = _seed_corpus(xcfg, seed, "rehearsal_examples")
     pool = [e for e in examples if e.role in corpus_forecast.SKILL_ROLES and e.meta.get("game") == "skill"]
     assert pool and all(e.meta["game"] == "skill" for e in pool)
+    return pool
+
+
+def warmup_policy_pool(xcfg, seed: int) -> list:
+    """The policy examples an arm of seed ``seed`` rehearses during the critic warm-up
+    (`UnitScaleConfig.warmup_policy_rehearsal`): the corpus-game policy examples of the seed's own corpus, i.e.
+    exactly what its warm start was trained to imitate (the corpus game's behaviour; no RL-game transition)."""
+    pool = [e for e in _seed_corpus(xcfg, seed, "warmup_policy_rehearsal")
+            if e.role == "policy" and e.meta.get("game") == "corpus"]
+    assert pool
     return pool
 
 
@@ -206,8 +222,10 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
     _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
     rows = [{"iteration": 0, **initial_eval}]
     learner = arms.make_learner(arm, run, group_size=xcfg.grpo_group_size)
-    if learner is not None and xcfg.rehearsal_examples:
-        learner = arms.SkillRehearsal(learner, rehearsal_pool(xcfg, seed), xcfg.rehearsal_examples, seed)
+    if learner is not None and (xcfg.rehearsal_examples or xcfg.warmup_policy_rehearsal):
+        learner = arms.SkillRehearsal(
+            learner, rehearsal_pool(xcfg, seed) if xcfg.rehearsal_examples else [], xcfg.rehearsal_examples, seed,
+            warmup_policy_pool(xcfg, seed) if xcfg.warmup_policy_rehearsal else [], xcfg.warmup_policy_rehearsal)
     if learner is not None:
         os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
         for it in range(xcfg.iterations):
@@ -502,7 +520,10 @@ def main(argv=None) -> int:
     import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
     setup.load_gin(flags.gin_file, flags.gin_param)
     try:
-        UnitScaleConfig()
+        xcfg = UnitScaleConfig()
+        if xcfg.warmup_policy_rehearsal and not loop.LoopConfig().critic_warmup_iterations:
+            raise ValueError(f"UnitScaleConfig.warmup_policy_rehearsal = {xcfg.warmup_policy_rehearsal} needs "
+                             f"LoopConfig.critic_warmup_iterations > 0 (it acts during the critic warm-up only)")
     except (ValueError, TypeError) as e:
         raise setup.GinConfigError(f"gin configuration error ({type(e).__name__}): {setup.gin_message(e)}") from None
     setup.check_writable_dir(flags.workdir)

@@ -320,3 +320,69 @@ def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
     assert {e.meta["game"] for e in got} == {"skill"}
     with pytest.raises(ValueError, match="needs corpus = 'toy_forecast'"):
         rehearsal_pool(UnitScaleConfig(corpus="toy"), 0)
+
+
+def test_warmup_policy_rehearsal_only_during_the_critic_warmup_of_arms_that_obey_it():
+    """warmup_per_iteration draws from the policy pool in iterations < LoopConfig.critic_warmup_iterations only, and
+    only for a learner with critic_warmup True (RFT, GRPO, Self-Distillation do not wait, so they get none: budgets stay
+    equal to theirs); the draw is (seed, iteration)'s alone and independent of the skill draw. The pool is the seed's
+    corpus-game policy examples, i.e. the warm start's own training targets; a negative count or an empty pool fails."""
+    import types
+    from nlac_jax.experiments.config import UnitScaleConfig
+    from nlac_jax.experiments.unit_scale import corpus_examples, warmup_policy_pool
+
+    class Inner:
+        name, critic_warmup = "nlac", True
+
+        def examples(self, run, it, episodes, transitions, rng, metrics):
+            return [f"arm{it}"], "dump"
+    run = types.SimpleNamespace(loop=types.SimpleNamespace(critic_warmup_iterations=2))
+    skill, policy = [f"skill{i}" for i in range(50)], [f"policy{i}" for i in range(40)]
+    wrapped = arms.SkillRehearsal(Inner(), skill, 3, seed=1, warmup_pool=policy, warmup_per_iteration=4)
+    got = {}
+    for it in range(4):
+        m = {}
+        ex, _ = wrapped.examples(run, it, [], [], np.random.default_rng(0), m)
+        got[it] = ex
+        n_policy = 4 if it < 2 else 0
+        assert len(ex) == 1 + 3 + n_policy and ex[0] == f"arm{it}" and set(ex[1:4]) <= set(skill)
+        assert set(ex[4:]) <= set(policy) and m["rehearsal/policy_examples"] == n_policy
+    skill_only = arms.SkillRehearsal(Inner(), skill, 3, seed=1)
+    assert skill_only.examples(run, 0, [], [], np.random.default_rng(0), {})[0] == got[0][:4]  # skill draw unchanged
+    assert got[0][4:] != got[1][4:]
+    Inner.critic_warmup = False  # a learner with no critic to warm up
+    m = {}
+    assert wrapped.examples(run, 0, [], [], np.random.default_rng(0), m)[0] == got[0][:4]
+    assert m["rehearsal/policy_examples"] == 0
+    with pytest.raises(ValueError, match="warmup_per_iteration must be >= 0"):
+        arms.SkillRehearsal(Inner(), skill, 0, warmup_pool=policy, warmup_per_iteration=-1)
+    with pytest.raises(ValueError, match="non-empty pool for warmup_per_iteration"):
+        arms.SkillRehearsal(Inner(), skill, 0, warmup_per_iteration=2)
+    with pytest.raises(ValueError, match="warmup_policy_rehearsal must be >= 0"):
+        UnitScaleConfig(warmup_policy_rehearsal=-1)
+
+    xcfg = UnitScaleConfig(corpus="toy_forecast", n=8, corpus_episodes=4, warm_start_per_seed=True)
+    pool = warmup_policy_pool(xcfg, 1)
+    every, _ = corpus_examples(xcfg, xcfg.corpus_seed + 1)
+    expected = [e for e in every if e.role == "policy" and e.meta["game"] == "corpus"]
+    assert pool == expected and pool and {e.kind for e in pool} == {1}
+    assert len({e.meta["episode"] for e in pool}) == 4  # every corpus-game episode, no skill game
+    with pytest.raises(ValueError, match="warmup_policy_rehearsal needs corpus"):
+        warmup_policy_pool(UnitScaleConfig(corpus="toy"), 0)
+
+
+def test_warmup_policy_rehearsal_without_a_warmup_is_a_configuration_error(tmp_path):
+    """The CLI refuses warmup_policy_rehearsal > 0 with no critic warm-up (it would silently do nothing), in one line
+    naming both keys, before anything is written to the workdir."""
+    import gin
+    from nlac_jax.cli import setup
+    from nlac_jax.experiments import unit_scale
+    base = ["--gin_file=gin/experiments/unit_toy_learned_critic_filter.gin", f"--workdir={tmp_path}",
+            "--gin_param=experiments.UnitScaleConfig.warmup_policy_rehearsal = 4"]
+    try:
+        with pytest.raises(setup.GinConfigError, match=r"warmup_policy_rehearsal = 4 needs "
+                                                        r"LoopConfig.critic_warmup_iterations > 0"):
+            unit_scale.main(base)
+    finally:
+        gin.clear_config()
+    assert not any(tmp_path.iterdir())  # nothing built
