@@ -143,22 +143,24 @@ def _seed_corpus(xcfg, seed: int, knob: str) -> list:
     return corpus_examples(xcfg, xcfg.corpus_seed + offset)[0]
 
 
-def rehearsal_pool(xcfg, seed: int) -> list:
+def rehearsal_pool(xcfg, seed: int, examples: list | None = None) -> list:
     """The skill examples every trained arm of seed ``seed`` rehearses (`UnitScaleConfig.rehearsal_examples`): the
     backup, evaluator and refiner examples of the seed's own corpus (its skill games: random waste or refusal sets,
-    no rule)."""
-    examples = _seed_corpus(xcfg, seed, "rehearsal_examples")
+    no rule). ``examples``: the seed's corpus when the caller already built it (`_seed_corpus`)."""
+    examples = _seed_corpus(xcfg, seed, "rehearsal_examples") if examples is None else examples
     pool = [e for e in examples if e.role in corpus_forecast.SKILL_ROLES and e.meta.get("game") == "skill"]
     assert pool and all(e.meta["game"] == "skill" for e in pool)
     return pool
 
 
-def warmup_policy_pool(xcfg, seed: int) -> list:
+def warmup_policy_pool(xcfg, seed: int, examples: list | None = None) -> list:
     """The policy examples an arm of seed ``seed`` rehearses during the critic warm-up
     (`UnitScaleConfig.warmup_policy_rehearsal`): the corpus-game policy examples of the seed's own corpus, i.e.
-    exactly what its warm start was trained to imitate (the corpus game's behaviour; no RL-game transition)."""
-    pool = [e for e in _seed_corpus(xcfg, seed, "warmup_policy_rehearsal")
-            if e.role == "policy" and e.meta.get("game") == "corpus"]
+    exactly what its warm start was trained to imitate (the corpus game's behaviour; no RL-game transition).
+    ``examples`` as in `rehearsal_pool`."""
+    if examples is None:
+        examples = _seed_corpus(xcfg, seed, "warmup_policy_rehearsal")
+    pool = [e for e in examples if e.role == "policy" and e.meta.get("game") == "corpus"]
     assert pool
     return pool
 
@@ -223,9 +225,10 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
     rows = [{"iteration": 0, **initial_eval}]
     learner = arms.make_learner(arm, run, group_size=xcfg.grpo_group_size)
     if learner is not None and (xcfg.rehearsal_examples or xcfg.warmup_policy_rehearsal):
-        learner = arms.SkillRehearsal(
-            learner, rehearsal_pool(xcfg, seed) if xcfg.rehearsal_examples else [], xcfg.rehearsal_examples, seed,
-            warmup_policy_pool(xcfg, seed) if xcfg.warmup_policy_rehearsal else [], xcfg.warmup_policy_rehearsal)
+        ex = _seed_corpus(xcfg, seed, "rehearsal_examples" if xcfg.rehearsal_examples else "warmup_policy_rehearsal")
+        learner = arms.SkillRehearsal(  # one corpus build for both pools
+            learner, rehearsal_pool(xcfg, seed, ex) if xcfg.rehearsal_examples else [], xcfg.rehearsal_examples, seed,
+            warmup_policy_pool(xcfg, seed, ex) if xcfg.warmup_policy_rehearsal else [], xcfg.warmup_policy_rehearsal)
     if learner is not None:
         os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
         for it in range(xcfg.iterations):
