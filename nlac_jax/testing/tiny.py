@@ -14,9 +14,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+from typing import TYPE_CHECKING
 
-import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    import transformers
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -254,6 +257,9 @@ def make_tiny_tokenizer(out_dir: str | None = None, vocab_size: int = 512,
         added["content"] = names.get(added["content"], added["content"])
     # A new wrapper per call: callers may mutate their tokenizer (padding side, added tokens) without affecting others.
     backend = Tokenizer.from_str(json.dumps(spec))
+    # local import: transformers costs ~0.4 s, and every CLI imports this module (runner.building) even when it
+    # stops at a configuration error before any tokenizer is built
+    import transformers
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=None,

@@ -31,7 +31,11 @@ from gcs_emulator import GcsEmulator
 
 REPO = tm.REPO
 BUCKET = "nlac-run"
-HOLD_AT = "2:targets"  # nlac_jax/runner/interrupts.py: a deterministic point inside iteration 2
+# nlac_jax/runner/interrupts.py: a deterministic point inside iteration 2, right after the resume's start-up (its
+# restore and lock). Killed there rather than later in the iteration: every 2-process launch compiles every program
+# it reaches (no persistent cache), and what the kill tests (nothing of iteration 2 saved, a lock left by a killed
+# process) does not depend on how far into the iteration it lands
+HOLD_AT = "2:collect"
 # a guard against a hang only (nothing waits for a time): ~3 minutes on a quiet 2-core machine, far more when loaded
 GUARD_S = 1800
 
@@ -112,8 +116,8 @@ def test_gcs_two_processes_preempted_killed_and_resumed_equal_one_process(tmp_pa
     1. preempted: both processes held at the start of iteration 1's train phase; a SIGTERM reaches process 1 only
        (process 0's hold is released): both finish iteration 1, agree to stop there, save it (checkpoint_every = 5
        would not) and exit 143, with one line from process 0;
-    2. killed: the same command resumes at iteration 1 and is SIGKILLed (both processes) held in iteration 2's
-       targets phase, with nothing of iteration 2 saved;
+    2. killed: the same command resumes at iteration 1 and is SIGKILLed (both processes) held at the start of
+       iteration 2, with nothing of iteration 2 saved;
     3. the same command again resumes from step 1 and finishes.
     It ends equal to the 1-process run: every metric (times and the per-process episode count excepted), the
     exported θ bit for bit, the checkpointed buffer and cursor. No retry anywhere: the start-up decides "resume or

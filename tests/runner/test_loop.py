@@ -156,35 +156,20 @@ def _assert_same_run(full, other):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_equals_uninterrupted(tmp_path, uninterrupted_run):
-    # a real kill (SIGKILL) in the middle of iteration 2 (held at the start of its targets phase), once iteration 1's
-    # checkpoint is committed (it is written in the background: the held run finishes it)
-    killed, marker = str(tmp_path / "killed"), tmp_path / "hold"
-    proc = _start_held(killed, 2, "2:targets", marker)
-    ckpt1 = os.path.join(killed, "checkpoints", "1")
-    deadline = time.monotonic() + 300  # hang guard only
-    while not os.path.isdir(ckpt1) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert os.path.isdir(ckpt1), "the run never committed its first checkpoint"
-    assert proc.poll() is None  # still held: it cannot move on while the marker exists
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not os.path.isdir(os.path.join(killed, "hf_export"))
-    assert [m["iteration"] for m in _metrics(killed)] == [1]
+def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, uninterrupted_run):
+    """The same command launched three times on one workdir, each stopped at a deterministic point:
+    1. preempted: a SIGTERM while held at the start of iteration 1's train phase; the run finishes iteration 1, saves
+       it (checkpoint_every = 5 would not), says so in one line, exits 143;
+    2. killed: the same command resumes at iteration 1 and is SIGKILLed held at the start of iteration 2's targets
+       phase: nothing of iteration 2 is saved or exported;
+    3. the same command again resumes at iteration 1 and finishes, equal to the uninterrupted run (θ bit for bit,
+       every metric).
+    One chain rather than a SIGTERM test and a kill test: each launch saved is a start-up and an iteration
+    (test_gcs_run runs the same chain with 2 processes on a gs:// workdir)."""
+    wd, every5 = str(tmp_path / "run"), ["LoopConfig.checkpoint_every = 5"]  # no scheduled save before the last
 
-    res = subprocess.run(_cmd(killed, 2), cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stderr
-    _assert_same_run(uninterrupted_run, killed)
-
-
-@pytest.mark.slow
-def test_sigterm_saves_agreed_iteration_and_resumes(tmp_path, uninterrupted_run):
-    """A preemption notice (SIGTERM) during iteration 1 of 2: the run finishes iteration 1, saves it (although
-    checkpoint_every would not), says so in one line, exits 143; the same command resumes there and ends equal to
-    the uninterrupted run."""
-    wd, marker = str(tmp_path / "preempted"), tmp_path / "hold"
-    every5 = ["LoopConfig.checkpoint_every = 5"]  # no scheduled save before the last iteration
+    # 1. preempted in iteration 1
+    marker = tmp_path / "hold1"
     proc = _start_held(wd, 2, "1:train", marker, every5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=600) == 143, open(str(marker) + ".log").read()[-3000:]
@@ -195,7 +180,20 @@ def test_sigterm_saves_agreed_iteration_and_resumes(tmp_path, uninterrupted_run)
     assert "Traceback" not in out
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1", "files"]  # files: the buffer's segments
     assert not os.path.isdir(os.path.join(wd, "hf_export"))
+    assert [m["iteration"] for m in _metrics(wd)] == [1]
 
+    # 2. resumed, then a real kill (SIGKILL) in the middle of iteration 2
+    marker = tmp_path / "hold2"
+    proc = _start_held(wd, 2, "2:targets", marker, every5)
+    assert proc.poll() is None  # still held: it cannot move on while the marker exists
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert "resumed from" in open(str(marker) + ".log").read()
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1", "files"]  # nothing of iteration 2
+    assert not os.path.isdir(os.path.join(wd, "hf_export"))
+    assert [m["iteration"] for m in _metrics(wd)] == [1]
+
+    # 3. the same command again finishes
     res = subprocess.run(_cmd(wd, 2, every5), cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr and "iteration 1)" in res.stderr
