@@ -48,7 +48,7 @@ def mismatched_model_dir(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- train
-@pytest.mark.parametrize("param,needles", [
+BAD_GIN_VALUES = [
     ("LoopConfig.iterations = 'four'", ["LoopConfig.iterations = 'four'", "integer >= 1"]),
     ("LoopConfig.iterations = -3", ["LoopConfig.iterations = -3"]),
     ("nlac.RoleSampling.top_p = 1.5", ["RoleSampling.top_p = 1.5", "(0, 1]"]),
@@ -57,12 +57,56 @@ def mismatched_model_dir(tmp_path_factory):
     ("nlac.RoleSampling.temperatures = {'policy': 1e999}", ["RoleSampling.temperatures['policy'] = inf"]),
     ("LoopConfig.batch_size = 6", ["LoopConfig.batch_size = 6", "data-parallel size 8"]),
     ("LoopConfig.iteratons = 3", ["iteratons"]),
-])
-def test_train_refuses_bad_gin_values_in_one_line(tmp_path, param, needles):
-    wd = tmp_path / "run"
-    wd.mkdir()
-    (wd / "config.gin").write_text("# the run's own config\n")
-    res = _run("nlac_jax.train", DEMO, f"--workdir={wd}", f"--gin_param={param}")
+]
+
+# Every case through the train CLI's own entry point (`common.run(train.main, argv)`, what `python -m
+# nlac_jax.train` calls), all in ONE process: each process start costs ~2 s of imports, and how a return code becomes
+# the exit status is covered by the subprocess cases below. stderr is one object for the whole process (logging binds
+# its handler to it once) whose buffer changes per case; gin's bindings are cleared between cases.
+_IN_ONE_PROCESS = r"""
+import io, json, sys
+import gin
+from nlac_jax.cli import common, train
+
+class Switch(io.TextIOBase):
+    buf = io.StringIO()
+    def write(self, s):
+        return self.buf.write(s)
+
+sys.stderr = switch = Switch()
+out = []
+for argv in json.loads(sys.argv[1]):
+    gin.clear_config()
+    switch.buf = io.StringIO()
+    rc = common.run(train.main, argv, prog=train.PROG)
+    out.append({"returncode": rc, "stderr": switch.buf.getvalue()})
+sys.stdout.write(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_gin_value_results(tmp_path_factory):
+    """{param: (result with .returncode and .stderr, workdir)} for every BAD_GIN_VALUES case, from one process."""
+    from types import SimpleNamespace
+    cases = []
+    for i, (param, _) in enumerate(BAD_GIN_VALUES):
+        wd = tmp_path_factory.mktemp(f"bad_gin_{i}") / "run"
+        wd.mkdir()
+        (wd / "config.gin").write_text("# the run's own config\n")
+        cases.append((param, wd))
+    argvs = [[DEMO, f"--workdir={wd}", f"--gin_param={param}"] for param, wd in cases]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    res = subprocess.run([sys.executable, "-c", _IN_ONE_PROCESS, json.dumps(argvs)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout)
+    assert len(results) == len(cases)
+    return {param: (SimpleNamespace(**r), wd) for (param, wd), r in zip(cases, results)}
+
+
+@pytest.mark.parametrize("param,needles", BAD_GIN_VALUES)
+def test_train_refuses_bad_gin_values_in_one_line(bad_gin_value_results, param, needles):
+    res, wd = bad_gin_value_results[param]
     _one_line(res, 2, "gin configuration error", *needles)
     assert (wd / "config.gin").read_text() == "# the run's own config\n"  # a failing start never rewrites it
     assert not (wd / "checkpoints").exists()
