@@ -101,6 +101,11 @@ def test_the_loop_routes_a_whole_iteration_and_restores_afterwards():
     loop.NLACRun.iteration(stub, 0, None, learner)
     loop.NLACRun.iteration(stub, 1, None, algorithm.NLAC())
     assert seen == [{"successor": "frozen"}, {}] and stub.roles.routes == {}
+    # the split critic's state serves its roles for the whole iteration too (targets, evaluation and scoring)
+    split = algorithm.SplitCriticNLAC(critic_state=algorithm.StateHolder(types.SimpleNamespace(params=1,
+                                                                                               target_params=2)))
+    loop.NLACRun.iteration(stub, 2, None, split)
+    assert seen[-1] == {"successor": "critic", "evaluator": "critic"} and stub.roles.routes == {}
     with pytest.raises(ValueError, match="freeze"):
         algorithm.NLAC(frozen_roles=("successor",), name="x").routing()
 
