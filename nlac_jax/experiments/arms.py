@@ -25,17 +25,19 @@ nlql                L1 as nlac; L2: the best of N=4 sampled actions by the score
 nlac_split_critic   as nlac, but the successor and evaluator have their own parameters: a second TrainState
                     (a copy of the warm start, the run's optimizer) serves them for θ calls (its params) and θ̄
                     calls (its own EMA), in targets and evaluation alike; L1 examples train only it, L2 examples
-                    only θ (policy, refiner; the backup keeps θ̄)
+                    only θ (policy, refiner; the backup keeps θ̄); a skill-rehearsal example trains the state
+                    that serves its role (evaluator: the critic's; backup, refiner, policy: θ)
 ==================  ==========================================================================================
 
 Equal budgets. Episodes: every arm's `take_tasks` plays `LoopConfig.episodes_per_iteration` episodes per
 iteration (GRPO as groups of the same task). Optimiser steps: the loop runs `LoopConfig.train_steps` steps of
 `LoopConfig.batch_size` examples per iteration whatever the arm's example count (cycling through its examples), so
 budgets are equal when the experiment sets `train_steps` to an integer (with None, steps follow the example count).
-The split critic's two states share those steps (`algorithm.split_steps`): in proportion to its L1 and L2 example
-counts, rounded half up, at least one step for a kind with examples (one step in all: the larger kind's), so
-train_steps=4 with 3 L1 + 1 L2 examples is 3 critic steps and 1 policy step; during the critic-only warm-up every
-step is the critic state's, as every step of the shared arm is L1's then; with None, each kind gets one pass.
+The split critic's two states share those steps (`algorithm.split_steps`): in proportion to their example counts
+(L1 vs L2, each rehearsal example counted with the state it trains), rounded half up, at least one step for a state
+with examples (one step in all: the larger share's), so train_steps=4 with 3 L1 + 1 L2 examples is 3 critic steps
+and 1 policy step; during the critic-only warm-up every step is the critic state's, as every step of the shared
+arm is L1's then (rehearsal examples aside); with None, each state gets one pass over its examples.
 Examples: the NLAC variants sample `critic_examples` + `policy_examples` per iteration (the frozen critic and
 no-L1 arms only the policy share: their critic has nothing to learn), RFT and GRPO up to that sum, NLQL as NLAC.
 Self-Distillation's rollouts are episodes too: it collects `episodes_per_iteration - states * rollouts` episodes

@@ -254,9 +254,9 @@ def split_steps(train_steps: int | None, n_critic: int, n_policy: int) -> tuple:
 class SplitCriticNLAC(NLAC):
     """NLAC with separate critic parameters: `critic_roles` are served by a second TrainState (`split(run)`: a
     private copy of θ at the arm's start, the run's config, mesh and optimizer), for calls that name θ (its params)
-    and θ̄ (its own EMA) alike; the policy and the refiner keep the run's θ and θ̄. L1 examples train only the
-    critic state, L2 examples only the run's (`train_plan`), with the iteration's `LoopConfig.train_steps` shared
-    between them by `split_steps`.
+    and θ̄ (its own EMA) alike; the policy, refiner and backup keep the run's θ and θ̄. L1 examples train only the
+    critic state, L2 examples only the run's (`train_plan`; a rehearsal example trains the state that serves its
+    role), with the iteration's `LoopConfig.train_steps` shared between them by `split_steps`.
 
     The second state is not checkpointed: the unit-scale experiment runs an arm whole (an unfinished arm restarts
     from the warm start), so nothing resumes it mid-arm."""
@@ -286,10 +286,19 @@ class SplitCriticNLAC(NLAC):
                              "none was made: call split(run) at the arm's start")
         return {r: CRITIC for r in self.critic_roles}, {CRITIC: self.critic_state}
 
+    def trains_critic(self, example: Any) -> bool:
+        """Whether `example` trains the critic state: an example that names its role (`.role`: the skill
+        rehearsal's corpus examples, `arms.SkillRehearsal`) trains the state that serves that role, so the evaluator's
+        rehearsal holds the critic state's evaluator and the backup's the run's θ̄; NLAC's own examples go by kind
+        (L1: the successor's backups, to the critic state; L2: the policy's refinements, to the run's state)."""
+        role = getattr(example, "role", None)
+        return role in self.critic_roles if role is not None else example.kind == KIND_CRITIC
+
     def train_plan(self, run: Any, examples: Sequence) -> list:
-        """[(holder whose `.state` trains, its examples, its train_steps)]: L1 examples to the critic state, the
-        rest (L2) to the run's (`run.holder`), steps by `split_steps`; a kind without examples gets no entry."""
-        critic = [e for e in examples if e.kind == KIND_CRITIC]
-        policy = [e for e in examples if e.kind != KIND_CRITIC]
+        """[(holder whose `.state` trains, its examples, its train_steps)]: the critic state's examples
+        (`trains_critic`) and the run's (`run.holder`), steps by `split_steps` on their counts; a state without
+        examples gets no entry."""
+        critic = [e for e in examples if self.trains_critic(e)]
+        policy = [e for e in examples if not self.trains_critic(e)]
         s_c, s_p = split_steps(run.loop.train_steps, len(critic), len(policy))
         return [(h, ex, s) for h, ex, s in ((self.critic_state, critic, s_c), (run.holder, policy, s_p)) if ex]

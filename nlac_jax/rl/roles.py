@@ -13,8 +13,9 @@ Parameter routing: a sampler may serve some roles from another parameter set tha
 whatever it asks for (:func:`served_params`; ``routes`` maps role -> parameter-set name). The frozen-critic
 ablation routes 'successor' and 'evaluator' to a frozen copy of the warm start, so every call site (targets,
 evaluation, scoring) stays as it is and cannot forget the routing. A set may also carry its own θ and θ̄
-(:func:`param_set_weights`: the split-critic arm's second TrainState), so it serves each call the one it names. Both samplers take routes through
-``routing(routes, param_sets)`` (a context manager) and record which set served each call.
+(:func:`param_set_weights`: the split-critic arm's second TrainState), so it serves each call the one it names.
+Both samplers take routes through ``routing(routes, param_sets)`` (a context manager) and record which set served
+each call.
 
 Scoring: ``score(messages_batch, continuations, params, role)`` returns log π(continuation | role prompt) per
 prompt, under the (routed) parameter set: the critic metrics read P(success | s, a) this way.

@@ -226,11 +226,10 @@ class NLACRun:
         return data.task_source_from_seqio(self.loop.seqio_task)
 
     # ------------------------------------------------------------------ one iteration
-    def _pack(self, examples, rng, train_steps="loop") -> tuple[list, dict]:
-        """Token batches for this iteration's train steps, and their metrics (`batching.pack_train_batches`: examples
-        longer than max_len are dropped and counted, never cut; train_steps=None is one pass). train_steps: default
-        `LoopConfig.train_steps` (a learner's `train_plan` gives each state its share)."""
-        train_steps = self.loop.train_steps if train_steps == "loop" else train_steps
+    def _pack(self, examples, rng, train_steps: int | None) -> tuple[list, dict]:
+        """Token batches for `train_steps` train steps (`LoopConfig.train_steps`, or a state's share of them under a
+        learner's `train_plan`), and their metrics (`batching.pack_train_batches`: examples longer than max_len are
+        dropped and counted, never cut; train_steps=None is one pass)."""
         items = [batching.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
         pad = self.tokenizer.pad_token_id or 0
         packer = None

@@ -664,3 +664,21 @@ def test_split_critic_trains_each_state_on_its_own_kind_only(tiny_trainer, kinds
     run.loop.critic_warmup_lr_scale = 4.0
     with pytest.raises(ValueError, match="critic_warmup_lr_scale"):
         arms.SplitCriticNLAC().split(run)
+
+
+def test_split_critic_sends_each_example_to_the_state_that_serves_its_role():
+    """NLAC's own examples by kind (L1 -> critic state, L2 -> the run's); a rehearsal example naming its role to
+    the state serving that role (the evaluator's to the critic state; the backup's, refiner's and policy's to the
+    run's: the backup reads the run's θ̄); the steps follow those counts."""
+    from nlac_jax.experiments.corpus import CorpusExample
+    learner = algorithm.SplitCriticNLAC(critic_roles=arms.CRITIC_ROLES, critic_state="C")
+    run = types.SimpleNamespace(loop=types.SimpleNamespace(train_steps=6), holder="M")
+    rehearsal = [CorpusExample(role=r, prompt_messages=[], target_text=r, task_id="t")
+                 for r in ("backup", "evaluator", "refiner", "policy")]
+    assert [e.kind for e in rehearsal] == [0, 1, 1, 1]  # so kind alone would send them the other way
+    ex = _examples((0, 1)) + rehearsal
+    plan = learner.train_plan(run, ex)
+    assert [(h, [getattr(e, "role", e.kind) for e in part], s) for h, part, s in plan] == [
+        ("C", [0, "evaluator"], 2), ("M", [1, "backup", "refiner", "policy"], 4)]
+    only_policy = learner.train_plan(run, _examples((1, 1)))
+    assert [(h, len(p), s) for h, p, s in only_policy] == [("M", 2, 6)]
