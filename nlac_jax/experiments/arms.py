@@ -22,12 +22,22 @@ grpo                each task played `group_size` times; every action of an epis
 self_distillation   no L1; L2: the evaluator reads 4 real on-policy rollouts from (s_t, a_t) instead of M_θ's
                     forecasts, the refiner refines a_t, distilled (the paper's Self-Distillation, `SelfDistillation`)
 nlql                L1 as nlac; L2: the best of N=4 sampled actions by the scored P(success | s, a), no refinement
+nlac_split_critic   as nlac, but the successor and evaluator have their own parameters: a second TrainState
+                    (a copy of the warm start, the run's optimizer) serves them for θ calls (its params) and θ̄
+                    calls (its own EMA), in targets and evaluation alike; L1 examples train only it, L2 examples
+                    only θ (policy, refiner; the backup keeps θ̄); a skill-rehearsal example trains the state
+                    that serves its role (evaluator: the critic's; backup, refiner, policy: θ)
 ==================  ==========================================================================================
 
 Equal budgets. Episodes: every arm's `take_tasks` plays `LoopConfig.episodes_per_iteration` episodes per
 iteration (GRPO as groups of the same task). Optimiser steps: the loop runs `LoopConfig.train_steps` steps of
 `LoopConfig.batch_size` examples per iteration whatever the arm's example count (cycling through its examples), so
 budgets are equal when the experiment sets `train_steps` to an integer (with None, steps follow the example count).
+The split critic's two states share those steps (`algorithm.split_steps`): in proportion to their example counts
+(L1 vs L2, each rehearsal example counted with the state it trains), rounded half up, at least one step for a state
+with examples (one step in all: the larger share's), so train_steps=4 with 3 L1 + 1 L2 examples is 3 critic steps
+and 1 policy step; during the critic-only warm-up every step is the critic state's, as every step of the shared
+arm is L1's then (rehearsal examples aside); with None, each state gets one pass over its examples.
 Examples: the NLAC variants sample `critic_examples` + `policy_examples` per iteration (the frozen critic and
 no-L1 arms only the policy share: their critic has nothing to learn), RFT and GRPO up to that sum, NLQL as NLAC.
 Self-Distillation's rollouts are episodes too: it collects `episodes_per_iteration - states * rollouts` episodes
@@ -50,7 +60,7 @@ import numpy as np
 from nlac_jax.training import batching
 from nlac_jax.envs.base import BatchedRunner, Task
 from nlac_jax.nlac import critic_scores, evaluation, targets
-from nlac_jax.nlac.algorithm import NLAC, FutureSummary, MonteCarloNLAC, buffer_batch
+from nlac_jax.nlac.algorithm import NLAC, FutureSummary, MonteCarloNLAC, SplitCriticNLAC, buffer_batch
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, strip_think
 from nlac_jax.rl.roles import check_samples, group
 from nlac_jax.rl.transitions import transitions_from_episode
@@ -60,9 +70,10 @@ __all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRP
 
 # the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
 ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
-        "nlac_mc_critic", "self_distillation", "nlql")
+        "nlac_mc_critic", "self_distillation", "nlql", "nlac_split_critic")
 
-CRITIC_ROLES = ("successor", "evaluator")  # the roles the frozen critic serves from the warm start
+# the roles the frozen critic serves from the warm start, and the split critic from its own state
+CRITIC_ROLES = ("successor", "evaluator")
 
 
 @dataclasses.dataclass
@@ -370,7 +381,7 @@ def future_renderer(prompts) -> FutureSummary:
 def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
     """The learner of `arm` for `run` (a fresh object: learners with memory, like RFT's FIFO, start empty).
     `warm_start` returns None (the arm does not train). Call it at the arm's start, right after θ is reset to the
-    warm start: the frozen critic keeps a copy of θ as it is now.
+    warm start: the frozen critic keeps a copy of θ as it is now, the split critic starts its own state from one.
 
     future_summary: the real-future renderer of the Monte-Carlo critic and Self-Distillation (default:
     `future_renderer(run.prompts)`, the renderer of the corpus that taught the run's prompt set)."""
@@ -384,6 +395,8 @@ def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
         return NLAC(target_cfg=dataclasses.replace(run.target_cfg, ablate_critique=True), name=arm)
     if arm == "nlac_frozen_critic":
         return NLAC(critic_examples=0, frozen_roles=CRITIC_ROLES, name=arm).freeze(run)
+    if arm == "nlac_split_critic":
+        return SplitCriticNLAC(critic_roles=CRITIC_ROLES, name=arm).split(run)
     if arm == "nlac_no_l1":
         return NLAC(critic_examples=0, name=arm)
     if arm in ("nlac_mc_critic", "self_distillation"):

@@ -13,6 +13,9 @@ The two halves are separate methods (`critic_examples_for`, `policy_examples_for
 * `critic_examples = 0`: no L1 examples, θ shared (the `nlac_no_l1` arm: L2 still moves the successor's weights);
 * `frozen_roles=("successor", "evaluator")` + `freeze(run)`: those roles are served by a frozen copy of the
   parameters taken at the arm's start (the warm start), whatever θ/θ̄ the call names (`nlac_frozen_critic`);
+* `SplitCriticNLAC` + `split(run)`: the successor and evaluator get their own TrainState (a copy of θ at the arm's
+  start), θ̄ calls served by its own EMA; L1 examples train only it, L2 examples only the run's state
+  (`nlac_split_critic`: the loop asks the learner's `train_plan` which state trains on what);
 * `MonteCarloNLAC`: L1's targets are summaries of the real futures in the buffer, not Bellman backups;
 * `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation).
 
@@ -33,9 +36,11 @@ from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.training.batching import KIND_CRITIC
 
-__all__ = ["FROZEN", "Learner", "NLAC", "MonteCarloNLAC", "freeze_params"]
+__all__ = ["CRITIC", "FROZEN", "Learner", "NLAC", "MonteCarloNLAC", "SplitCriticNLAC", "StateHolder", "freeze_params",
+           "split_steps"]
 
 FROZEN = "frozen"  # the name of the frozen parameter set in the sampler's routing
+CRITIC = "critic"  # the name of the split critic's own state in the sampler's routing
 
 
 class Learner(Protocol):
@@ -211,3 +216,89 @@ class MonteCarloNLAC(NLAC):
         stats.critic_examples += len(out)
         stats.terminal_examples += sum(1 for e in out if e.terminal)
         return out
+
+
+class StateHolder:
+    """A TrainState that the train step replaces (it donates its input), read through this holder: as a routed
+    parameter set it serves θ calls its `.params` and θ̄ calls its `.target_params` (`roles.param_set_weights`)."""
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def target_params(self):
+        return self.state.target_params
+
+
+def split_steps(train_steps: int | None, n_critic: int, n_policy: int) -> tuple:
+    """(critic state's steps, main state's steps) of one iteration's `train_steps` for `n_critic` L1 and `n_policy`
+    L2 examples: in proportion to the counts, rounded half up, at least 1 for a non-empty kind (while
+    `train_steps` >= 2; with 1 step, the larger kind, critic on ties, gets it), 0 for an empty one, the two
+    summing to `train_steps`. None (one pass per iteration) stays None for each non-empty kind."""
+    if train_steps is None:
+        return (None if n_critic else 0), (None if n_policy else 0)
+    if not n_critic or not n_policy:
+        return (train_steps if n_critic else 0), (train_steps if n_policy else 0)
+    if train_steps == 1:
+        return (1, 0) if n_critic >= n_policy else (0, 1)
+    c = int(train_steps * n_critic / (n_critic + n_policy) + 0.5)
+    c = min(max(c, 1), train_steps - 1)
+    return c, train_steps - c
+
+
+@dataclasses.dataclass
+class SplitCriticNLAC(NLAC):
+    """NLAC with separate critic parameters: `critic_roles` are served by a second TrainState (`split(run)`: a
+    private copy of θ at the arm's start, the run's config, mesh and optimizer), for calls that name θ (its params)
+    and θ̄ (its own EMA) alike; the policy, refiner and backup keep the run's θ and θ̄. L1 examples train only the
+    critic state, L2 examples only the run's (`train_plan`; a rehearsal example trains the state that serves its
+    role), with the iteration's `LoopConfig.train_steps` shared between them by `split_steps`.
+
+    The second state is not checkpointed: the unit-scale experiment runs an arm whole (an unfinished arm restarts
+    from the warm start), so nothing resumes it mid-arm."""
+
+    name: str = "nlac_split_critic"
+    critic_roles: tuple = ("successor", "evaluator")
+    critic_state: Any = dataclasses.field(default=None, repr=False)
+
+    def split(self, run: Any) -> "SplitCriticNLAC":
+        """Give `critic_roles` their own TrainState, from a copy of the run's current θ (at the arm's start: the
+        warm start). Refuses `LoopConfig.critic_warmup_lr_scale` != 1: the boost covers a state's first
+        `critic_warmup_iterations * train_steps` updates, which the run's state would make after the warm-up
+        (it trains no L1 then), so its policy steps would be boosted instead of the critic's warm-up."""
+        from nlac_jax import training
+        if getattr(run.loop, "critic_warmup_lr_scale", 1) != 1:
+            raise ValueError(f"learner {self.name!r}: LoopConfig.critic_warmup_lr_scale = "
+                             f"{run.loop.critic_warmup_lr_scale} would boost the policy's first steps, not the "
+                             "critic's warm-up (each state counts its own updates); use 1")
+        params = freeze_params(run.holder.state.params)  # its own buffers: the state creation takes them over
+        self.critic_state = StateHolder(training.create_train_state(
+            run.cfg, run.mesh, run.optimizer, params=params, seed=run.loop.seed, donate_params=True))
+        return self
+
+    def routing(self) -> tuple[dict, dict]:
+        if self.critic_state is None:
+            raise ValueError(f"learner {self.name!r} routes {list(self.critic_roles)} to its own critic state but "
+                             "none was made: call split(run) at the arm's start")
+        return {r: CRITIC for r in self.critic_roles}, {CRITIC: self.critic_state}
+
+    def trains_critic(self, example: Any) -> bool:
+        """Whether `example` trains the critic state: an example that names its role (`.role`: the skill
+        rehearsal's corpus examples, `arms.SkillRehearsal`) trains the state that serves that role, so the evaluator's
+        rehearsal holds the critic state's evaluator and the backup's the run's θ̄; NLAC's own examples go by kind
+        (L1: the successor's backups, to the critic state; L2: the policy's refinements, to the run's state)."""
+        role = getattr(example, "role", None)
+        return role in self.critic_roles if role is not None else example.kind == KIND_CRITIC
+
+    def train_plan(self, run: Any, examples: Sequence) -> list:
+        """[(holder whose `.state` trains, its examples, its train_steps)]: the critic state's examples
+        (`trains_critic`) and the run's (`run.holder`), steps by `split_steps` on their counts; a state without
+        examples gets no entry."""
+        critic = [e for e in examples if self.trains_critic(e)]
+        policy = [e for e in examples if not self.trains_critic(e)]
+        s_c, s_p = split_steps(run.loop.train_steps, len(critic), len(policy))
+        return [(h, ex, s) for h, ex, s in ((self.critic_state, critic, s_c), (run.holder, policy, s_p)) if ex]

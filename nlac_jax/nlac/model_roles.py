@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from nlac_jax import text
-from nlac_jax.rl.roles import Completion, PARAMS_NAMES, ParamsName, RoleSampling, check_routes, served_params
+from nlac_jax.rl.roles import (Completion, PARAMS_NAMES, ParamsName, RoleSampling, check_routes, param_set_weights,
+                               served_params)
 from nlac_jax.training.scoring import Scorer
 
 
@@ -72,7 +73,8 @@ class ModelRoleSampler:
 
     get_params: 'policy' -> θ, 'target' -> θ̄ (called at every sample, so it always sees the current arrays).
       Inside `routing(routes, param_sets)`, a routed role is served by the named set instead (`roles.served_params`):
-      one of PARAMS_NAMES or a key of `param_sets` (arrays in the train state's layout and shardings).
+      one of PARAMS_NAMES or a key of `param_sets` (arrays in the train state's layout and shardings, or an object
+      with `.params` / `.target_params` that serves θ and θ̄ calls each their own: `roles.param_set_weights`).
     scorer: a `training.scoring.Scorer` for `score` (None: built on first use from the sampler's config and mesh).
     settings: the run's RoleSampling (per-role temperature and token budget, top_p); a call's own `settings`
       replace them for that call (held-out evaluation's greedy policy).
@@ -110,7 +112,9 @@ class ModelRoleSampler:
 
     def _weights(self, params: str, role: str):
         name = served_params(params, role, self.routes)
-        return self.param_sets[name] if name in self.param_sets else self.get_params(name)
+        if name in self.param_sets:  # a tree, or a state with its own θ and θ̄ (roles.param_set_weights)
+            return param_set_weights(self.param_sets[name], params)
+        return self.get_params(name)
 
     def start_phase(self, phase_seed: int) -> None:
         """Make the next samples a deterministic function of (seed, phase_seed, call index); reset counters."""

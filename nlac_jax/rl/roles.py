@@ -12,8 +12,10 @@ parameters being trained) or ``'target'`` = θ̄ (their EMA). The trainer implem
 Parameter routing: a sampler may serve some roles from another parameter set than the one the caller names,
 whatever it asks for (:func:`served_params`; ``routes`` maps role -> parameter-set name). The frozen-critic
 ablation routes 'successor' and 'evaluator' to a frozen copy of the warm start, so every call site (targets,
-evaluation, scoring) stays as it is and cannot forget the routing. Both samplers take routes through
-``routing(routes, param_sets)`` (a context manager) and record which set served each call.
+evaluation, scoring) stays as it is and cannot forget the routing. A set may also carry its own θ and θ̄
+(:func:`param_set_weights`: the split-critic arm's second TrainState), so it serves each call the one it names.
+Both samplers take routes through ``routing(routes, param_sets)`` (a context manager) and record which set served
+each call.
 
 Scoring: ``score(messages_batch, continuations, params, role)`` returns log π(continuation | role prompt) per
 prompt, under the (routed) parameter set: the critic metrics read P(success | s, a) this way.
@@ -55,6 +57,8 @@ __all__ = [
     "check_routes",
     "check_samples",
     "group",
+    "param_set_weights",
+    "served_name",
     "served_params",
     "texts",
 ]
@@ -72,6 +76,26 @@ def served_params(params: str, role: str, routes: Mapping[str, str] | None) -> s
     """The parameter set that serves a call for ``role`` that asked for ``params``: ``routes[role]`` when the role
     is routed, else ``params`` itself."""
     return (routes or {}).get(role, params)
+
+
+def param_set_weights(value: Any, params: str) -> Any:
+    """The weights a routed parameter set serves to a call that names ``params``. A set with ``.params`` and
+    ``.target_params`` (a TrainState, or a holder of one: the split critic's own state) serves θ calls (``'policy'``)
+    from ``.params`` and θ̄ calls (``'target'``) from ``.target_params``, so a second trained state keeps its own
+    EMA; any other value (a parameter tree: the frozen critic's) serves both."""
+    if hasattr(value, "params") and hasattr(value, "target_params"):
+        return value.target_params if params == "target" else value.params
+    return value
+
+
+def served_name(params: str, role: str, routes: Mapping[str, str] | None, param_sets: Mapping[str, Any]) -> str:
+    """What a sampler records as the set that served a call: :func:`served_params`, with ``'.target'`` appended
+    when a θ̄ call is served by the target params of a set that has its own (:func:`param_set_weights`)."""
+    name = served_params(params, role, routes)
+    value = param_sets.get(name)
+    if params == "target" and hasattr(value, "params") and hasattr(value, "target_params"):
+        return f"{name}.target"
+    return name
 
 
 def check_routes(routes: Mapping[str, str] | None, known: Sequence[str]) -> dict[str, str]:
@@ -304,7 +328,8 @@ class ScriptedRoleSampler:
     @contextlib.contextmanager
     def routing(self, routes: Mapping[str, str] | None = None, param_sets: Mapping[str, Any] | None = None):
         """Serve ``routes``' roles from the named parameter sets inside the block (see the module docstring);
-        ``param_sets`` name extra sets (their values are unused here: only the names are recorded)."""
+        ``param_sets`` name extra sets (only the names are recorded, plus ``'.target'`` for a θ̄ call served by a
+        set with its own target params: :func:`served_name`)."""
         old = self.routes, self.param_sets
         sets = dict(param_sets or {})
         self.routes, self.param_sets = check_routes(routes, PARAMS_NAMES + tuple(sets)), sets
@@ -343,7 +368,7 @@ class ScriptedRoleSampler:
         self.calls.append(
             SamplerCall(role=role, params=params, messages_batch=copy.deepcopy(list(messages_batch)), n=n,
                         outputs=list(outputs), settings=self.settings if settings is None else settings,
-                        served=served_params(params, role, self.routes))
+                        served=served_name(params, role, self.routes, self.param_sets))
         )
         return outputs
 
@@ -355,7 +380,7 @@ class ScriptedRoleSampler:
             raise ValueError(f"params must be one of {PARAMS_NAMES}, got {params!r}")
         if len(continuations) != len(messages_batch):
             raise ValueError(f"{len(continuations)} continuations for {len(messages_batch)} prompts")
-        served = served_params(params, role, self.routes)
+        served = served_name(params, role, self.routes, self.param_sets)
         out = [math.nan if self.scores is None else float(self.scores(m, c, served))
                for m, c in zip(messages_batch, continuations)]
         self.score_calls.append(SamplerCall(role=role, params=params, messages_batch=copy.deepcopy(list(messages_batch)),

@@ -65,6 +65,18 @@ class ModelOnlyState:
         return self.params
 
 
+def _pack_totals(parts: list[dict]) -> dict:
+    """The packing metrics of one iteration's parts (`_pack`'s, one per state a learner's `train_plan` trains):
+    counts summed, train/updates_per_target as the whole iteration's ratio; one part's as they are."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {k: sum(p[k] for p in parts) for k in parts[0]}
+    n = out.get("train/examples", 0)
+    out["train/updates_per_target"] = sum(p["train/updates_per_target"] * p["train/examples"] for p in parts) / n \
+        if n else 0.0
+    return out
+
+
 def _phase_seed(seed: int, iteration: int, phase: str) -> int:
     """A non-negative seed per (seed, iteration, phase); iteration -1 is the evaluation before any training."""
     return (seed * 1_000_003 + iteration + 1) * 16 + PHASES.index(phase)
@@ -214,9 +226,10 @@ class NLACRun:
         return data.task_source_from_seqio(self.loop.seqio_task)
 
     # ------------------------------------------------------------------ one iteration
-    def _pack(self, examples, rng) -> tuple[list, dict]:
-        """Token batches for this iteration's train steps, and their metrics (`batching.pack_train_batches`: examples
-        longer than max_len are dropped and counted, never cut; train_steps=None is one pass)."""
+    def _pack(self, examples, rng, train_steps: int | None) -> tuple[list, dict]:
+        """Token batches for `train_steps` train steps (`LoopConfig.train_steps`, or a state's share of them under a
+        learner's `train_plan`), and their metrics (`batching.pack_train_batches`: examples longer than max_len are
+        dropped and counted, never cut; train_steps=None is one pass)."""
         items = [batching.chat_example(self.tokenizer, **e.to_training_dict()) for e in examples]
         pad = self.tokenizer.pad_token_id or 0
         packer = None
@@ -224,7 +237,7 @@ class NLACRun:
             rows = math.lcm(self.step_fn.data_parallel, max(1, self.step_fn.config.num_microbatches))
             packer = lambda c: pack_shared_prefix(c, self.loop.max_len, pad_id=pad, row_multiple=rows)  # noqa: E731
         batches, m = batching.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
-                                             train_steps=self.loop.train_steps, pad_id=pad, packer=packer)
+                                             train_steps=train_steps, pad_id=pad, packer=packer)
         if m["train/dropped_examples"]:
             log.warning("%d of %d examples are longer than LoopConfig.max_len=%d (target too long): dropped",
                         m["train/dropped_examples"], len(items), self.loop.max_len)
@@ -277,27 +290,7 @@ class NLACRun:
         # train
         t0 = time.perf_counter()
         self._phase(it, "train", bars)
-        self.sampler.release()  # the sampler's inference copies of θ and θ̄ are stale after this phase's updates
-        sums: dict = {}
-        n_tokens = 0
-        batches, pack_metrics = self._pack(examples, rng)
-        m.update(pack_metrics)
-        if batches:
-            for batch in batches:
-                # every process packed the same batches: each places the rows its devices own
-                self.holder.state, metrics = self.step_fn(self.holder.state, self.step_fn.from_replicated(batch))
-                for k, v in self._jax.device_get(metrics).items():
-                    sums.setdefault(k, []).append(float(v))
-                n_tokens += int(batch.attention_mask.sum())
-            self.step_fn.check()
-        for k in ("loss", "l1", "l2", "grad_norm", "learning_rate"):
-            if k in sums:
-                m[f"train/{k}"] = float(np.mean(sums[k]))
-        for k in ("critic_tokens", "policy_tokens", "skipped"):
-            if k in sums:
-                m[f"train/{k}"] = float(np.sum(sums[k]))
-        m["train/steps"] = len(sums.get("loss", []))
-        m["train/step"] = int(self._jax.device_get(self.holder.state.step))
+        n_tokens = self._train(learner, examples, rng, m)
         m["time/train"] = time.perf_counter() - t0
         m["train/tokens_per_s"] = n_tokens / max(m["time/train"], 1e-9)
 
@@ -316,6 +309,43 @@ class NLACRun:
             log.warning("iteration %d compiled %d new executable(s): %s", it + 1, sum(new.values()),
                         ", ".join(f"{k} x{v}" for k, v in sorted(new.items())))
         return m, dump
+
+    def _train(self, learner, examples, rng, m: dict) -> int:
+        """The train phase's steps on `examples`, its metrics into `m`; returns the tokens trained on. A learner
+        with `train_plan(run, examples)` -> [(holder, examples, train_steps)] trains each holder's state on its part
+        (the split critic: L1 to its own state, L2 to the run's); any other trains the run's state on all."""
+        np, loop = self._np, self.loop
+        # the sampler's inference copies of θ and θ̄ (and of a learner's own state: the split critic's) are stale
+        # after this phase's updates; the next sample rebuilds them from the new arrays
+        self.sampler.release()
+        sums: dict = {}
+        n_tokens = 0
+        # [(holder of the TrainState to train, its examples, its steps)]: the run's state on everything, unless the
+        # learner trains a state of its own too (the split critic: L1 to its critic state, L2 to the run's)
+        plan = learner.train_plan(self, examples) if hasattr(learner, "train_plan") else \
+            [(self.holder, examples, loop.train_steps)]
+        packed = []
+        for holder, part, steps in plan or [(self.holder, [], loop.train_steps)]:
+            batches, pack_metrics = self._pack(part, rng, steps)
+            packed.append(pack_metrics)
+            if batches:
+                for batch in batches:
+                    # every process packed the same batches: each places the rows its devices own
+                    holder.state, metrics = self.step_fn(holder.state, self.step_fn.from_replicated(batch))
+                    for k, v in self._jax.device_get(metrics).items():
+                        sums.setdefault(k, []).append(float(v))
+                    n_tokens += int(batch.attention_mask.sum())
+                self.step_fn.check()
+        m.update(_pack_totals(packed))
+        for k in ("loss", "l1", "l2", "grad_norm", "learning_rate"):
+            if k in sums:
+                m[f"train/{k}"] = float(np.mean(sums[k]))
+        for k in ("critic_tokens", "policy_tokens", "skipped"):
+            if k in sums:
+                m[f"train/{k}"] = float(np.sum(sums[k]))
+        m["train/steps"] = len(sums.get("loss", []))
+        m["train/step"] = int(self._jax.device_get(self.holder.state.step))
+        return n_tokens
 
     def evaluate(self, it: int, bars=lambda phase: None, params: str = "policy") -> dict:
         t0 = time.perf_counter()

@@ -41,7 +41,7 @@ Design
 * Layer loop: a model option (`ModelConfig.scan_layers`). On CPU (default `layer_loop='auto'`) the sampler runs the
   model with scan_layers=False: a Python loop over the same `DecoderLayer` modules with a per-layer KV cache; the
   scanned weights are sliced per layer, and gate/up (and q/k/v without tensor parallelism) fused into one matmul
-  each, once per parameter tree (`Sampler.run_params`, the last three trees kept), and each layer's cache buffer is
+  each, once per parameter tree (`Sampler.run_params`, the last four trees kept), and each layer's cache buffer is
   updated in place. With `nn.scan`, XLA:CPU copies every layer's weights out of the stack on every decode step (2-3x
   the memory traffic). On GPU/TPU 'auto' keeps the scanned decoder; `layer_loop='unrolled'|'scan'` forces either.
 * Inference weights: either loop reads the matmul weights in the compute dtype (`decoder.inference_weights`: a bf16

@@ -174,8 +174,9 @@ class Sampler:
         """`params` in the layout the compiled functions run: for the unrolled loop, scanned weights sliced per
         layer and the projections fused (decoder.fuse_projections); the matmul weights in the compute dtype
         (`weights_for_inference`). Done once per parameter tree, not inside every prefill/decode/refill executable,
-        where it copied all the weights on every call; the last three trees are kept (a loop samples from θ and θ̄,
-        the frozen-critic arm from its frozen critic too). `release` drops them."""
+        where it copied all the weights on every call; the last four trees are kept (a loop samples from θ and θ̄,
+        the frozen-critic arm from its frozen critic too, the split-critic arm from its critic's θ and θ̄: fewer
+        would rebuild a tree at every call). `release` drops them."""
         if self.layer_loop == "scan":
             ready = "layers" in params
         else:
@@ -189,7 +190,7 @@ class Sampler:
             if known == ids:  # the source tree is held, so its leaves' ids cannot be reused by other arrays
                 return out
         out = self._to_layout(params)
-        self._layouts = [(ids, params, out)] + self._layouts[:2]
+        self._layouts = [(ids, params, out)] + self._layouts[:3]
         return out
 
     def release(self) -> None:

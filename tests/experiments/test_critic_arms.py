@@ -101,6 +101,11 @@ def test_the_loop_routes_a_whole_iteration_and_restores_afterwards():
     loop.NLACRun.iteration(stub, 0, None, learner)
     loop.NLACRun.iteration(stub, 1, None, algorithm.NLAC())
     assert seen == [{"successor": "frozen"}, {}] and stub.roles.routes == {}
+    # the split critic's state serves its roles for the whole iteration too (targets, evaluation and scoring)
+    split = algorithm.SplitCriticNLAC(critic_state=algorithm.StateHolder(types.SimpleNamespace(params=1,
+                                                                                               target_params=2)))
+    loop.NLACRun.iteration(stub, 2, None, split)
+    assert seen[-1] == {"successor": "critic", "evaluator": "critic"} and stub.roles.routes == {}
     with pytest.raises(ValueError, match="freeze"):
         algorithm.NLAC(frozen_roles=("successor",), name="x").routing()
 
@@ -217,14 +222,17 @@ def test_critic_warmup_gives_every_example_slot_to_l1_then_hands_over(monkeypatc
                                                      np.random.default_rng(it), m)
         assert {e.kind for e in ex} == want_kinds, (it, [e.kind for e in ex])
         assert m["nlac/critic_warmup"] == int(it < 2)
-    for arm in ("nlac", "nlac_mc_critic", "nlac_frozen_critic", "nlac_no_l1", "self_distillation"):
+    monkeypatch.setattr(algorithm.SplitCriticNLAC, "split", lambda self, run: self)  # no model in the fake run
+    for arm in ("nlac", "nlac_mc_critic", "nlac_frozen_critic", "nlac_no_l1", "self_distillation",
+                "nlac_split_critic"):
         learner = arms.make_learner(arm, run)
         for it in (1, 2):
             n_c, n_p = learner._counts(run, it)
             want = {("nlac", 1): (8, 0), ("nlac", 2): (3, 5), ("nlac_mc_critic", 1): (8, 0),
                     ("nlac_mc_critic", 2): (3, 5), ("nlac_frozen_critic", 1): (0, 0),
                     ("nlac_frozen_critic", 2): (0, 5), ("nlac_no_l1", 1): (0, 0), ("nlac_no_l1", 2): (0, 5),
-                    ("self_distillation", 1): (0, 5), ("self_distillation", 2): (0, 5)}[arm, it]
+                    ("self_distillation", 1): (0, 5), ("self_distillation", 2): (0, 5),
+                    ("nlac_split_critic", 1): (8, 0), ("nlac_split_critic", 2): (3, 5)}[arm, it]
             assert (n_c, n_p) == want, (arm, it, n_c, n_p)
     # and the draws NLAC makes follow those counts
     seen = []
@@ -276,8 +284,10 @@ def test_mc_critic_trains_the_successor_on_the_real_futures():
     assert m2["mc/unfinished_episodes"] == 1 and m2["mc/futures_added"] == 0
 
 
-def test_every_arm_is_registered_and_built():
+def test_every_arm_is_registered_and_built(monkeypatch):
     run = _fake_run(_nlac_roles(), params={"w": np.zeros(1)})
+    # the fake run has no model to build the split critic's state from (its own test does, with a tiny model)
+    monkeypatch.setattr(algorithm.SplitCriticNLAC, "split", lambda self, run: self)
     run.loop.critic_examples, run.loop.policy_examples = 3, 5
     for arm in arms.ARMS:
         learner = arms.make_learner(arm, run)
@@ -526,3 +536,149 @@ def test_the_real_future_renderer_follows_the_prompt_set():
     assert arms.future_renderer(PromptSet(task="toy", prompt_set="toy_compact")) is corpus.future_summary
     with pytest.raises(ValueError, match="prompt set 'math'"):
         arms.future_renderer(PromptSet(task="math"))
+
+
+# ------------------------------------------------------------------------------------------ the split critic
+
+
+def test_split_critic_routes_theta_and_target_calls_to_its_own_state():
+    """Under the split-critic arm's routing, successor/evaluator calls naming θ get the critic state's params and
+    calls naming θ̄ its target params (its own EMA), for sampling and scoring; policy, refiner and backup keep the
+    run's θ and θ̄; the frozen critic's tree still serves both."""
+    from nlac_jax.nlac.model_roles import ModelRoleSampler
+    from nlac_jax.rl.roles import RoleSampling
+    from nlac_jax.testing import tiny
+    gen, scorer = _FakeGen(), _FakeScorer()
+    roles = ModelRoleSampler(gen, tiny.make_tiny_tokenizer(), get_params=lambda w: f"W-{w}",
+                             settings=RoleSampling(max_new_tokens={"policy": 8}), scorer=scorer)
+    learner = algorithm.SplitCriticNLAC(critic_roles=arms.CRITIC_ROLES)
+    with pytest.raises(ValueError, match="split"):
+        learner.routing()
+    learner.critic_state = algorithm.StateHolder(types.SimpleNamespace(params="C-policy", target_params="C-target"))
+    chat = [[{"role": "user", "content": "q"}]]
+    with roles.routing(*learner.routing()):
+        for params, role in (("policy", "successor"), ("target", "successor"), ("policy", "evaluator"),
+                             ("target", "evaluator"), ("policy", "policy"), ("target", "policy"),
+                             ("policy", "refiner"), ("target", "backup")):
+            roles.sample(chat, params, role)
+        roles.score(chat, ["Outcome: success"], "policy", "successor")
+        roles.score(chat, ["Outcome: success"], "target", "successor")
+        # the state is read at every call: a train step that replaces it is seen by the next sample
+        learner.critic_state.state = types.SimpleNamespace(params="C2-policy", target_params="C2-target")
+        roles.sample(chat, "target", "successor")
+    assert gen.weights == ["C-policy", "C-target", "C-policy", "C-target", "W-policy", "W-target", "W-policy",
+                           "W-target", "C2-target"]
+    assert scorer.weights == ["C-policy", "C-target"]
+    # the scripted sampler records which of the state's two sets served each call
+    s = ScriptedRoleSampler(default="x")
+    with s.routing(*learner.routing()):
+        for params, role in (("policy", "successor"), ("target", "evaluator"), ("target", "backup")):
+            s.sample(chat, params, role)
+    assert [c.served for c in s.calls] == ["critic", "critic.target", "target"]
+    with roles.routing({"successor": "frozen"}, {"frozen": "W-frozen"}):
+        roles.sample(chat, "target", "successor")
+    assert gen.weights[-1] == "W-frozen"
+
+
+def test_split_steps_by_hand():
+    """LoopConfig.train_steps shared between the critic and the main state in proportion to the example counts,
+    at least one step for a kind with examples, the sum kept."""
+    assert algorithm.split_steps(4, 3, 1) == (3, 1)
+    assert algorithm.split_steps(4, 1, 3) == (1, 3)
+    assert algorithm.split_steps(4, 1, 1) == (2, 2)
+    assert algorithm.split_steps(16, 1, 40) == (1, 15)  # round(0.39) = 0, raised to 1
+    assert algorithm.split_steps(16, 40, 1) == (15, 1)
+    assert algorithm.split_steps(16, 8, 0) == (16, 0)  # the critic-only warm-up: every step the critic's
+    assert algorithm.split_steps(16, 0, 5) == (0, 16)
+    assert algorithm.split_steps(16, 3, 5) == (6, 10)  # 16 * 3/8 = 6
+    assert algorithm.split_steps(10, 1, 3) == (3, 7)  # 2.5 rounds half up
+    assert algorithm.split_steps(1, 2, 2) == (1, 0) and algorithm.split_steps(1, 1, 2) == (0, 1)
+    assert algorithm.split_steps(None, 3, 5) == (None, None) and algorithm.split_steps(None, 0, 5) == (0, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer():
+    """A 1-device run stub with a tiny model: what NLACRun._train and the split critic read of a run."""
+    import jax
+    from nlac_jax import models, training
+    from nlac_jax.parallel import sharding
+    from nlac_jax.runner import loop
+    from nlac_jax.testing import tiny
+    tok = tiny.make_tiny_tokenizer()
+    cfg = models.ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=8, rope_theta=10000.0)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    opt = training.make_optimizer(training.make_schedule(1e-2))
+    stub = types.SimpleNamespace(cfg=cfg, mesh=mesh, optimizer=opt, tokenizer=tok, _np=np, _jax=jax,
+                                 step_fn=training.make_train_step(cfg, mesh, opt),
+                                 sampler=types.SimpleNamespace(release=lambda: None), holder=loop._Holder())
+    stub._pack = types.MethodType(loop.NLACRun._pack, stub)
+    stub.train = types.MethodType(loop.NLACRun._train, stub)
+    return stub
+
+
+def _examples(kinds):
+    from nlac_jax.nlac.targets import CriticExample, PolicyExample
+    out = []
+    for i, k in enumerate(kinds):
+        cls = CriticExample if k == 0 else PolicyExample
+        out.append(cls(prompt_messages=[{"role": "user", "content": f"question {i}"}], target_text=f"answer {i}",
+                       kind=k, weight=1.0, task=None, state=[], action=str(i)))
+    return out
+
+
+@pytest.mark.parametrize("kinds", [(0, 0, 0), (1, 1), (0, 0, 0, 1)])
+def test_split_critic_trains_each_state_on_its_own_kind_only(tiny_trainer, kinds):
+    """One train phase of the split-critic arm: L1 examples move only the critic state, L2 examples only the run's
+    (bitwise), each state's step count is its share of train_steps (4 steps, 3 L1 + 1 L2: 3 and 1)."""
+    import jax
+    from nlac_jax import training
+    run = tiny_trainer
+    run.loop = types.SimpleNamespace(train_steps=4, batch_size=2, max_len=64, share_prefixes=False,
+                                     critic_warmup_lr_scale=1, seed=0)
+    run.holder.state = training.create_train_state(run.cfg, run.mesh, run.optimizer, seed=0)
+    learner = arms.make_learner("nlac_split_critic", run)
+    assert learner.critic_warmup and set(learner.routing()[0]) == set(arms.CRITIC_ROLES)
+    host = lambda t: jax.tree.leaves(jax.device_get(t))  # noqa: E731
+    before = {"main": host(run.holder.state.params), "critic": host(learner.critic_state.params),
+              "main_target": host(run.holder.state.target_params),
+              "critic_target": host(learner.critic_state.target_params)}
+    assert all(np.array_equal(a, b) for a, b in zip(before["main"], before["critic"]))  # a copy of θ at the start
+    m = {}
+    run.train(learner, _examples(kinds), np.random.default_rng(0), m)
+    after = {"main": host(run.holder.state.params), "critic": host(learner.critic_state.params),
+             "main_target": host(run.holder.state.target_params),
+             "critic_target": host(learner.critic_state.target_params)}
+    n_c, n_p = kinds.count(0), kinds.count(1)
+    for name, trained in (("main", n_p > 0), ("critic", n_c > 0)):
+        for key in (name, f"{name}_target"):
+            same = all(np.array_equal(a, b) for a, b in zip(before[key], after[key]))
+            assert same != trained, (kinds, key)
+    want = {(0, 0, 0): (4, 0), (1, 1): (0, 4), (0, 0, 0, 1): (3, 1)}[kinds]
+    steps = (int(jax.device_get(learner.critic_state.state.step)), int(jax.device_get(run.holder.state.step)))
+    assert steps == want and m["train/steps"] == 4 and m["train/step"] == want[1]
+    assert m["train/examples"] == len(kinds)
+    if n_c:
+        assert m["train/critic_tokens"] > 0
+    # the arm refuses the warm-up boost, which would boost the policy's first steps instead
+    run.loop.critic_warmup_lr_scale = 4.0
+    with pytest.raises(ValueError, match="critic_warmup_lr_scale"):
+        arms.SplitCriticNLAC().split(run)
+
+
+def test_split_critic_sends_each_example_to_the_state_that_serves_its_role():
+    """NLAC's own examples by kind (L1 -> critic state, L2 -> the run's); a rehearsal example naming its role to
+    the state serving that role (the evaluator's to the critic state; the backup's, refiner's and policy's to the
+    run's: the backup reads the run's θ̄); the steps follow those counts."""
+    from nlac_jax.experiments.corpus import CorpusExample
+    learner = algorithm.SplitCriticNLAC(critic_roles=arms.CRITIC_ROLES, critic_state="C")
+    run = types.SimpleNamespace(loop=types.SimpleNamespace(train_steps=6), holder="M")
+    rehearsal = [CorpusExample(role=r, prompt_messages=[], target_text=r, task_id="t")
+                 for r in ("backup", "evaluator", "refiner", "policy")]
+    assert [e.kind for e in rehearsal] == [0, 1, 1, 1]  # so kind alone would send them the other way
+    ex = _examples((0, 1)) + rehearsal
+    plan = learner.train_plan(run, ex)
+    assert [(h, [getattr(e, "role", e.kind) for e in part], s) for h, part, s in plan] == [
+        ("C", [0, "evaluator"], 2), ("M", [1, "backup", "refiner", "policy"], 4)]
+    only_policy = learner.train_plan(run, _examples((1, 1)))
+    assert [(h, len(p), s) for h, p, s in only_policy] == [("M", 2, 6)]
