@@ -83,9 +83,14 @@ def param_set_weights(value: Any, params: str) -> Any:
     ``.target_params`` (a TrainState, or a holder of one: the split critic's own state) serves θ calls (``'policy'``)
     from ``.params`` and θ̄ calls (``'target'``) from ``.target_params``, so a second trained state keeps its own
     EMA; any other value (a parameter tree: the frozen critic's) serves both."""
-    if hasattr(value, "params") and hasattr(value, "target_params"):
+    if _has_own_target(value):
         return value.target_params if params == "target" else value.params
     return value
+
+
+def _has_own_target(value: Any) -> bool:
+    """Whether a routed parameter set carries its own θ̄ (a TrainState or a holder of one)."""
+    return hasattr(value, "params") and hasattr(value, "target_params")
 
 
 def served_name(params: str, role: str, routes: Mapping[str, str] | None, param_sets: Mapping[str, Any]) -> str:
@@ -93,7 +98,7 @@ def served_name(params: str, role: str, routes: Mapping[str, str] | None, param_
     when a θ̄ call is served by the target params of a set that has its own (:func:`param_set_weights`)."""
     name = served_params(params, role, routes)
     value = param_sets.get(name)
-    if params == "target" and hasattr(value, "params") and hasattr(value, "target_params"):
+    if params == "target" and _has_own_target(value):
         return f"{name}.target"
     return name
 

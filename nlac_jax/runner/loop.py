@@ -320,8 +320,6 @@ class NLACRun:
         self.sampler.release()
         sums: dict = {}
         n_tokens = 0
-        # [(holder of the TrainState to train, its examples, its steps)]: the run's state on everything, unless the
-        # learner trains a state of its own too (the split critic: L1 to its critic state, L2 to the run's)
         plan = learner.train_plan(self, examples) if hasattr(learner, "train_plan") else \
             [(self.holder, examples, loop.train_steps)]
         packed = []
