@@ -6,15 +6,16 @@ are compared must be started with the same `loop_run`)."""
 # on tests/training/test_train_step.py on 2 cores). XLA's own HLO passes still run, and the results stay within every test's
 # tolerance; runs and benchmarks outside the tests keep the default.
 COMPILE_FAST = "--xla_backend_optimization_level=0"
-# LLVM at -O1 for the 1-process runs of the training loop that a test repeats (xla_flags(loop_run=True)): after the
-# first, each loads its programs from the persistent compilation cache and spends its time RUNNING them. The tiny
-# model prefills 600-1600-token prompts at every sampler call, and the float32 prefill's dots are XLA's own loops
-# (nlac_jax/parallel/xla_options.py keeps YNNPACK out of it), which -O0 leaves unoptimised: a 1536-token prefill of 4 rows
-# takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and compiles a little slower than -O0.
-# Measured on 2 loaded cores, test_multihost's 1-process reference run, CPU seconds from an empty / a warm
-# compilation cache: -O0 85-94 / 41, -O1 88-104 / 21, -O2 103 / 25 (-O2 compiles with more threads). Not for
-# multi-process runs: they never use the cache (nlac_jax/cli/setup.py, enable_compilation_cache), so every one of them
-# compiles everything, and a 2-process run cost 187 CPU seconds at -O0, 237 at -O1.
+# LLVM at -O1 for 1-process runs that load their programs from the persistent compilation cache and spend their time
+# RUNNING them (xla_flags(loop_run=True)): the unit-scale smoke runs (tests/experiments/test_experiments_unit_scale.py:
+# four runs of the same small programs; 92.5 s against 98.2 s for the file at -O0, one run each from an empty cache,
+# quiet 2-core Intel Xeon) and test_judges' 20 Questions run and its resumption. Their prompts are long, and the float32
+# prefill's dots are XLA's own loops (nlac_jax/parallel/xla_options.py keeps YNNPACK out of it), which -O0 leaves
+# unoptimised: a 1536-token prefill of 4 rows takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and
+# compiles a little slower than -O0. Not for the runs compared with conftest.one_process_reference (the kill/resume
+# chains, the disk-full run): they must be compiled like the 2-process runs, which never use the cache
+# (nlac_jax/cli/setup.py, enable_compilation_cache) and compile everything at every launch (a 2-process run cost
+# 187 CPU seconds at -O0, 237 at -O1).
 LOOP_RUN = "--xla_backend_optimization_level=1"
 # XLA:CPU's MLIR fusion emitters (on by default in this jaxlib) compile a small program about twice as slowly as the
 # older LLVM-IR emitters: tests/training/test_train_step.py, 18 tests from an empty cache, 2 cores (AMD EPYC): 73-78 s

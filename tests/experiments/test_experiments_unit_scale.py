@@ -98,7 +98,7 @@ def _run_unit_scale(gin_file: str, workdir: str, timeout: int, params=()):
     """`python -m nlac_jax.experiments.unit_scale` on one CPU device; asserts it exits 0 and returns the result."""
     cmd = [sys.executable, "-m", "nlac_jax.experiments.unit_scale", f"--gin_file={gin_file}", f"--workdir={workdir}"]
     cmd += [f"--gin_param={p}" for p in params]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1, loop_run=True))
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-import test_loop as tl
+import test_multihost as tm
 
-REPO = tl.REPO
+REPO = tm.REPO
 
 
 def _can_mount() -> bool:
@@ -29,7 +29,8 @@ def test_checkpoint_that_does_not_fit_is_one_line_and_the_rerun_resumes(tmp_path
     workdir, marker = tmp_path / "run", tmp_path / "hold"
     ckdir = workdir / "checkpoints"
     ckdir.mkdir(parents=True)
-    cmd = " ".join(shlex.quote(c) for c in tl._cmd(str(workdir), 2))
+    # conftest.one_process_reference's command: its programs come from the persistent compilation cache
+    cmd = " ".join(shlex.quote(c) for c in tm._cmd(str(workdir)))
     fill = (f"{shlex.quote(sys.executable)} -c \"import os; s = os.statvfs('{ckdir}'); "
             f"open('{ckdir}/ballast', 'wb').write(bytes(s.f_bavail * s.f_frsize))\"")
     script = f"""
@@ -48,7 +49,7 @@ rm -f {ckdir}/ballast
 {cmd} > {tmp_path}/second.out 2> {tmp_path}/second.err
 echo $? > {tmp_path}/second.rc
 """
-    env = tl._env(1)
+    env = tm._env(2)
     subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, timeout=1200)
     first_err = (tmp_path / "first.err").read_text()
     assert (tmp_path / "first.rc").read_text().strip() == "1", first_err[-3000:]
@@ -60,4 +61,4 @@ echo $? > {tmp_path}/second.rc
     assert (tmp_path / "second.rc").read_text().strip() == "0", (tmp_path / "second.err").read_text()[-3000:]
     second = (tmp_path / "second.err").read_text()
     assert "resumed from" in second and "step 1" in second
-    assert [m["iteration"] for m in tl._metrics(str(workdir))] == [1, 2]
+    assert [m["iteration"] for m in tm._metrics(str(workdir))] == [1, 2]

@@ -16,6 +16,8 @@ from nlac_jax.cli import setup
 from nlac_jax.models import hf_io
 from xla_test_flags import xla_flags
 
+import test_multihost as tm
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
     "N = 8",
@@ -56,11 +58,10 @@ def _cmd(workdir, iterations, extra=()):
 
 
 def _env(devices=8):
-    """The 1-device runs (the reference, the killed and preempted runs and their resumptions, the recompilation
-    check, test_disk_full's runs) run the same programs, so all but the first load them from the persistent
-    compilation cache: LLVM -O1 (xla_test_flags.LOOP_RUN). The 8-device run is the only one of its kind: -O0."""
+    """The environment of the 8-device run (the only one of its kind: LLVM -O0, xla_test_flags.COMPILE_FAST) and of
+    the CLI checks. The kill/resume chain runs conftest.one_process_reference's command in tm._env(2) instead."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices, loop_run=devices == 1)
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -110,22 +111,20 @@ def test_metrics_writer_keeps_only_finished_rows(tmp_path):
     assert path.read_text() == ""
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_run(tmp_path_factory):
-    """The 2-iteration reference run that the killed and the preempted runs must end equal to (one device:
-    resuming is about the loop's state, not sharding, which test_one_iteration_end_to_end_8_devices covers)."""
-    full = str(tmp_path_factory.mktemp("full") / "run")
-    res = subprocess.run(_cmd(full, 2), cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return full
+def _reference_cmd(workdir, extra=()):
+    """The command of conftest.one_process_reference (test_multihost's 2-iteration config, 1 process, 2 devices),
+    with `extra` gin bindings: a run started with it (env tm._env(2)) loads every program the reference compiled
+    from the persistent compilation cache, and must end equal to the reference."""
+    return tm._cmd(workdir) + [f"--gin_param={p}" for p in extra]
 
 
-def _start_held(workdir, iterations, hold_at, marker, extra=()):
-    """Start a run that stops at the test hold point `hold_at` ('<iteration>:<phase>', nlac_jax/runner/interrupts.py) and
-    wait until it is there (its marker file exists): a deterministic point, however fast the machine is."""
-    env = dict(_env(1), NLAC_TEST_HOLD_AT=hold_at, NLAC_TEST_HOLD_FILE=str(marker))
+def _start_held(workdir, hold_at, marker, extra=()):
+    """Start the reference's command (_reference_cmd) held at the test hold point `hold_at` ('<iteration>:<phase>',
+    nlac_jax/runner/interrupts.py), and wait until it is there (its marker file exists): a deterministic point,
+    however fast the machine is."""
+    env = dict(tm._env(2), NLAC_TEST_HOLD_AT=hold_at, NLAC_TEST_HOLD_FILE=str(marker))
     log = open(str(marker) + ".log", "w")
-    proc = subprocess.Popen(_cmd(workdir, iterations, extra), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_reference_cmd(workdir, extra), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 600  # a guard against a hang only: the run waits at the marker, not the test
     while not os.path.exists(marker):
@@ -156,7 +155,7 @@ def _assert_same_run(full, other):
 
 
 @pytest.mark.slow
-def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, uninterrupted_run):
+def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, one_process_reference):
     """The same command launched three times on one workdir, each stopped at a deterministic point:
     1. preempted: a SIGTERM while held at the start of iteration 1's train phase; the run finishes iteration 1, saves
        it (checkpoint_every = 5 would not), says so in one line, exits 143;
@@ -165,12 +164,13 @@ def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, uninterrup
     3. the same command again resumes at iteration 1 and finishes, equal to the uninterrupted run (θ bit for bit,
        every metric).
     One chain rather than a SIGTERM test and a kill test: each launch saved is a start-up and an iteration
-    (test_gcs_run runs the same chain with 2 processes on a gs:// workdir)."""
+    (test_gcs_run runs the same chain with 2 processes on a gs:// workdir). The uninterrupted run is the session's
+    conftest.one_process_reference, which test_gcs_run compares with too: one reference run for both tests."""
     wd, every5 = str(tmp_path / "run"), ["LoopConfig.checkpoint_every = 5"]  # no scheduled save before the last
 
     # 1. preempted in iteration 1
     marker = tmp_path / "hold1"
-    proc = _start_held(wd, 2, "1:train", marker, every5)
+    proc = _start_held(wd, "1:train", marker, every5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=600) == 143, open(str(marker) + ".log").read()[-3000:]
     out = open(str(marker) + ".log").read()
@@ -184,7 +184,7 @@ def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, uninterrup
 
     # 2. resumed, then a real kill (SIGKILL) in the middle of iteration 2
     marker = tmp_path / "hold2"
-    proc = _start_held(wd, 2, "2:targets", marker, every5)
+    proc = _start_held(wd, "2:targets", marker, every5)
     assert proc.poll() is None  # still held: it cannot move on while the marker exists
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -194,10 +194,11 @@ def test_sigterm_then_kill_then_resume_equals_uninterrupted(tmp_path, uninterrup
     assert [m["iteration"] for m in _metrics(wd)] == [1]
 
     # 3. the same command again finishes
-    res = subprocess.run(_cmd(wd, 2, every5), cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(_reference_cmd(wd, every5), cwd=REPO, env=tm._env(2), capture_output=True, text=True,
+                         timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr and "iteration 1)" in res.stderr
-    _assert_same_run(uninterrupted_run, wd)
+    _assert_same_run(one_process_reference, wd)
 
 
 def test_gin_typo_fails_fast_with_clear_message():
@@ -295,10 +296,10 @@ def test_pack_one_pass_and_updates_per_target():
 
 
 @pytest.mark.slow
-def test_no_recompilation_after_the_first_iteration(uninterrupted_run):
+def test_no_recompilation_after_the_first_iteration(one_process_reference):
     """Every executable (sampler, train step, evaluation, checkpoint) is built in iteration 1; iteration 2, which runs
-    every phase again (TINY evaluates every iteration), reuses them all (the loop logs 'compile/count', jit lowerings
-    per iteration, and warns naming any new one). Read from the reference run of the kill/resume tests: a run of its
-    own would compile the same programs again."""
-    counts = [r["compile/count"] for r in _metrics(uninterrupted_run)]
+    every phase again (test_multihost.PARAMS evaluates every iteration), reuses them all (the loop logs
+    'compile/count', jit lowerings per iteration, and warns naming any new one). Read from the session's reference
+    run: a run of its own would compile the same programs again."""
+    counts = [r["compile/count"] for r in _metrics(one_process_reference)]
     assert counts[0] > 0 and counts[1:] == [0], counts
