@@ -36,7 +36,9 @@ def no_persistent_cache():
 @pytest.fixture(scope="session")
 def one_process_reference(tmp_path_factory, request):
     """The workdir of one uninterrupted 1-process run (2 devices) of test_multihost's demo config: the reference
-    that the 2-process run (test_gcs_run) must end equal to. Run once per `make test`: the xdist
+    that the 2-process chain (test_gcs_run) and the 1-process kill/resume chain (test_loop) must end equal to; its
+    programs, in the persistent compilation cache, serve those 1-process runs and test_disk_full's. Run once per
+    `make test`: the xdist
     workers share it through their common base directory (the first to ask builds it under a lock, the other
     waits for it instead of running it again); a run that failed is not recorded, so the next asker retries."""
     import fcntl
