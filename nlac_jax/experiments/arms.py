@@ -27,6 +27,8 @@ nlac_split_critic   as nlac, but the successor and evaluator have their own para
                     calls (its own EMA), in targets and evaluation alike; L1 examples train only it, L2 examples
                     only θ (policy, refiner; the backup keeps θ̄); a skill-rehearsal example trains the state
                     that serves its role (evaluator: the critic's; backup, refiner, policy: θ)
+nlac_split_critic_  as nlac_split_critic, but each state runs LoopConfig.train_steps steps per iteration: the
+each                updates per state of the shared-θ arm, twice its optimiser steps (not an equal budget)
 ==================  ==========================================================================================
 
 Equal budgets. Episodes: every arm's `take_tasks` plays `LoopConfig.episodes_per_iteration` episodes per
@@ -38,6 +40,9 @@ The split critic's two states share those steps (`algorithm.split_steps`): in pr
 with examples (one step in all: the larger share's), so train_steps=4 with 3 L1 + 1 L2 examples is 3 critic steps
 and 1 policy step; during the critic-only warm-up every step is the critic state's, as every step of the shared
 arm is L1's then (rehearsal examples aside); with None, each state gets one pass over its examples.
+`nlac_split_critic_each` gives each state all `train_steps` steps instead: the same updates per state as the
+shared-θ arm, at twice its optimiser steps, so it answers "does a critic state that learns as fast as the shared θ
+help?", not an equal-budget question.
 Examples: the NLAC variants sample `critic_examples` + `policy_examples` per iteration (the frozen critic and
 no-L1 arms only the policy share: their critic has nothing to learn), RFT and GRPO up to that sum, NLQL as NLAC.
 Self-Distillation's rollouts are episodes too: it collects `episodes_per_iteration - states * rollouts` episodes
@@ -70,7 +75,7 @@ __all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRP
 
 # the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
 ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
-        "nlac_mc_critic", "self_distillation", "nlql", "nlac_split_critic")
+        "nlac_mc_critic", "self_distillation", "nlql", "nlac_split_critic", "nlac_split_critic_each")
 
 # the roles the frozen critic serves from the warm start, and the split critic from its own state
 CRITIC_ROLES = ("successor", "evaluator")
@@ -395,8 +400,8 @@ def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
         return NLAC(target_cfg=dataclasses.replace(run.target_cfg, ablate_critique=True), name=arm)
     if arm == "nlac_frozen_critic":
         return NLAC(critic_examples=0, frozen_roles=CRITIC_ROLES, name=arm).freeze(run)
-    if arm == "nlac_split_critic":
-        return SplitCriticNLAC(critic_roles=CRITIC_ROLES, name=arm).split(run)
+    if arm in ("nlac_split_critic", "nlac_split_critic_each"):
+        return SplitCriticNLAC(critic_roles=CRITIC_ROLES, steps_each=arm.endswith("_each"), name=arm).split(run)
     if arm == "nlac_no_l1":
         return NLAC(critic_examples=0, name=arm)
     if arm in ("nlac_mc_critic", "self_distillation"):

@@ -256,13 +256,15 @@ class SplitCriticNLAC(NLAC):
     private copy of θ at the arm's start, the run's config, mesh and optimizer), for calls that name θ (its params)
     and θ̄ (its own EMA) alike; the policy, refiner and backup keep the run's θ and θ̄. L1 examples train only the
     critic state, L2 examples only the run's (`train_plan`; a rehearsal example trains the state that serves its
-    role), with the iteration's `LoopConfig.train_steps` shared between them by `split_steps`.
+    role), with the iteration's `LoopConfig.train_steps` shared between them by `split_steps`, or, with
+    `steps_each`, `train_steps` for each state (the updates per state of the shared-θ arm; twice its optimiser steps).
 
     The second state is not checkpointed: the unit-scale experiment runs an arm whole (an unfinished arm restarts
     from the warm start), so nothing resumes it mid-arm."""
 
     name: str = "nlac_split_critic"
     critic_roles: tuple = ("successor", "evaluator")
+    steps_each: bool = False
     critic_state: Any = dataclasses.field(default=None, repr=False)
 
     def split(self, run: Any) -> "SplitCriticNLAC":
@@ -296,9 +298,12 @@ class SplitCriticNLAC(NLAC):
 
     def train_plan(self, run: Any, examples: Sequence) -> list:
         """[(holder whose `.state` trains, its examples, its train_steps)]: the critic state's examples
-        (`trains_critic`) and the run's (`run.holder`), steps by `split_steps` on their counts; a state without
-        examples gets no entry."""
+        (`trains_critic`) and the run's (`run.holder`), steps by `split_steps` on their counts (`steps_each`:
+        `LoopConfig.train_steps` each); a state without examples gets no entry."""
         critic = [e for e in examples if self.trains_critic(e)]
         policy = [e for e in examples if not self.trains_critic(e)]
-        s_c, s_p = split_steps(run.loop.train_steps, len(critic), len(policy))
+        if self.steps_each:
+            s_c = s_p = run.loop.train_steps
+        else:
+            s_c, s_p = split_steps(run.loop.train_steps, len(critic), len(policy))
         return [(h, ex, s) for h, ex, s in ((self.critic_state, critic, s_c), (run.holder, policy, s_p)) if ex]

@@ -224,7 +224,7 @@ def test_critic_warmup_gives_every_example_slot_to_l1_then_hands_over(monkeypatc
         assert m["nlac/critic_warmup"] == int(it < 2)
     monkeypatch.setattr(algorithm.SplitCriticNLAC, "split", lambda self, run: self)  # no model in the fake run
     for arm in ("nlac", "nlac_mc_critic", "nlac_frozen_critic", "nlac_no_l1", "self_distillation",
-                "nlac_split_critic"):
+                "nlac_split_critic", "nlac_split_critic_each"):
         learner = arms.make_learner(arm, run)
         for it in (1, 2):
             n_c, n_p = learner._counts(run, it)
@@ -232,7 +232,8 @@ def test_critic_warmup_gives_every_example_slot_to_l1_then_hands_over(monkeypatc
                     ("nlac_mc_critic", 2): (3, 5), ("nlac_frozen_critic", 1): (0, 0),
                     ("nlac_frozen_critic", 2): (0, 5), ("nlac_no_l1", 1): (0, 0), ("nlac_no_l1", 2): (0, 5),
                     ("self_distillation", 1): (0, 5), ("self_distillation", 2): (0, 5),
-                    ("nlac_split_critic", 1): (8, 0), ("nlac_split_critic", 2): (3, 5)}[arm, it]
+                    ("nlac_split_critic", 1): (8, 0), ("nlac_split_critic", 2): (3, 5),
+                    ("nlac_split_critic_each", 1): (8, 0), ("nlac_split_critic_each", 2): (3, 5)}[arm, it]
             assert (n_c, n_p) == want, (arm, it, n_c, n_p)
     # and the draws NLAC makes follow those counts
     seen = []
@@ -627,17 +628,19 @@ def _examples(kinds):
     return out
 
 
-@pytest.mark.parametrize("kinds", [(0, 0, 0), (1, 1), (0, 0, 0, 1)])
-def test_split_critic_trains_each_state_on_its_own_kind_only(tiny_trainer, kinds):
+@pytest.mark.parametrize("arm,kinds", [("nlac_split_critic", (0, 0, 0)), ("nlac_split_critic", (1, 1)),
+                                       ("nlac_split_critic", (0, 0, 0, 1)), ("nlac_split_critic_each", (0, 0, 0, 1))])
+def test_split_critic_trains_each_state_on_its_own_kind_only(tiny_trainer, arm, kinds):
     """One train phase of the split-critic arm: L1 examples move only the critic state, L2 examples only the run's
-    (bitwise), each state's step count is its share of train_steps (4 steps, 3 L1 + 1 L2: 3 and 1)."""
+    (bitwise), each state's step count is its share of train_steps (4 steps, 3 L1 + 1 L2: 3 and 1), or all of them
+    for each state in the `_each` variant (4 and 4)."""
     import jax
     from nlac_jax import training
     run = tiny_trainer
     run.loop = types.SimpleNamespace(train_steps=4, batch_size=2, max_len=64, share_prefixes=False,
                                      critic_warmup_lr_scale=1, seed=0)
     run.holder.state = training.create_train_state(run.cfg, run.mesh, run.optimizer, seed=0)
-    learner = arms.make_learner("nlac_split_critic", run)
+    learner = arms.make_learner(arm, run)
     assert learner.critic_warmup and set(learner.routing()[0]) == set(arms.CRITIC_ROLES)
     host = lambda t: jax.tree.leaves(jax.device_get(t))  # noqa: E731
     before = {"main": host(run.holder.state.params), "critic": host(learner.critic_state.params),
@@ -654,9 +657,10 @@ def test_split_critic_trains_each_state_on_its_own_kind_only(tiny_trainer, kinds
         for key in (name, f"{name}_target"):
             same = all(np.array_equal(a, b) for a, b in zip(before[key], after[key]))
             assert same != trained, (kinds, key)
-    want = {(0, 0, 0): (4, 0), (1, 1): (0, 4), (0, 0, 0, 1): (3, 1)}[kinds]
+    want = {("nlac_split_critic", (0, 0, 0)): (4, 0), ("nlac_split_critic", (1, 1)): (0, 4),
+            ("nlac_split_critic", (0, 0, 0, 1)): (3, 1), ("nlac_split_critic_each", (0, 0, 0, 1)): (4, 4)}[arm, kinds]
     steps = (int(jax.device_get(learner.critic_state.state.step)), int(jax.device_get(run.holder.state.step)))
-    assert steps == want and m["train/steps"] == 4 and m["train/step"] == want[1]
+    assert steps == want and m["train/steps"] == sum(want) and m["train/step"] == want[1]
     assert m["train/examples"] == len(kinds)
     if n_c:
         assert m["train/critic_tokens"] > 0
