@@ -233,11 +233,15 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                             prompts: Optional[PromptSet] = None,
                             target_cfg: Optional[TargetConfig] = None,
                             corpus_waste_p: Optional[float] = None,
-                            p_out_of_range: float = 0.0) -> list[CorpusExample]:
+                            p_out_of_range: float = 0.0,
+                            corpus_wasted_numbers: Sequence[int] = ()) -> list[CorpusExample]:
     """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
 
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
       successor examples for the taken action and one alternative (its future played out counterfactually).
+    corpus_wasted_numbers: numbers the corpus game wastes besides the multiples of ``corpus_waste_every`` (e.g. the
+      odd numbers with ``corpus_waste_every = 0``: a corpus that teaches the RL game's own rule, the "knowing
+      critic" upper reference of gin/experiments/unit_toy_learned_critic_knowing.gin).
     corpus_waste_p: None, or the corpus game holds NO rule: each corpus-game episode wastes its own random set
       (every number with this probability; ``corpus_waste_every`` is then unused), so the successor learns the
       forecast format and the base rate of "no answer", and no knowledge of which numbers are wasted.
@@ -251,7 +255,7 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
     cfg = target_cfg or TargetConfig()
     out: list[CorpusExample] = []
-    fixed_env = _env(n, max_turns, corpus_waste_every)
+    fixed_env = _env(n, max_turns, corpus_waste_every, corpus_wasted_numbers)
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-corpus", seed).take(max(episodes, 0))):
         rng = random.Random(f"toy-forecast-corpus:{seed}:{ep}")
         corpus_env = fixed_env
@@ -307,13 +311,14 @@ def _train_tasks(n: int, task_source: Optional[GuessNumberTaskSource]) -> list[T
 def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200, corpus_waste_every: int = 2,
                     skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
                     task_source: Optional[GuessNumberTaskSource] = None,
-                    corpus_waste_p: Optional[float] = None, p_out_of_range: float = 0.0) -> list[CorpusExample]:
+                    corpus_waste_p: Optional[float] = None, p_out_of_range: float = 0.0,
+                    corpus_wasted_numbers: Sequence[int] = ()) -> list[CorpusExample]:
     """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
     no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
     return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
                                    corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
                                    jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p,
-                                   p_out_of_range=p_out_of_range)
+                                   p_out_of_range=p_out_of_range, corpus_wasted_numbers=corpus_wasted_numbers)
 
 
 def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,

@@ -214,7 +214,8 @@ def probe_twenty_questions(run) -> dict:
 
 def corpus_rule() -> int:
     """The learned-critic corpus game's waste rule (multiples of this; 0 = a rule-free corpus game, whose
-    episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`)."""
+    episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`, or a listed rule,
+    `corpus_wasted_numbers`, which the probe and the references do not read as a corpus rule)."""
     b = gin.get_bindings(corpus_forecast.forecast_corpus)
     return 0 if b.get("corpus_waste_p") is not None else int(b.get("corpus_waste_every", 2))
 

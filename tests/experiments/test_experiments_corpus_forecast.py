@@ -240,6 +240,26 @@ def test_rule_free_corpus_holds_no_knowledge_of_which_numbers_are_wasted(source)
                for e in fixed if e.role == "successor" and F.forecast_reply(e.target_text) != "correct")
 
 
+def test_listed_corpus_rule_teaches_the_rl_games_rule(source):
+    """corpus_wasted_numbers (the knowing-critic upper reference): with corpus_waste_every = 0 and the odd numbers
+    listed, the successor's targets say "no answer" exactly for the odd guesses that are not the hidden number, and
+    the policy's examples and the skill games are those of the even-rule corpus with the same seed (one knob moves)."""
+    ex = F.forecast_corpus(N, 24, 5, skill_episodes=8, task_source=source, corpus_waste_every=0,
+                           corpus_wasted_numbers=ODDS)
+    seen = {True: 0, False: 0}
+    for e in ex:
+        if e.role == "successor" and F.forecast_reply(e.target_text) != "correct":
+            g = parse_guess(e.action)
+            assert (F.forecast_reply(e.target_text) == "no answer") == (g % 2 == 1), (e.action, e.target_text)
+            seen[g % 2 == 1] += 1
+    assert seen[True] > 10 and seen[False] > 10
+    even = F.forecast_corpus(N, 24, 5, skill_episodes=8, task_source=source)
+    skill = lambda xs: _key([e for e in xs if e.meta.get("game") == "skill"])
+    assert skill(ex) == skill(even) and skill(ex) != "[]"
+    # and the knowledge did move: the successor's targets are not the even-rule corpus's
+    assert _key([e for e in ex if e.role == "successor"]) != _key([e for e in even if e.role == "successor"])
+
+
 def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
     """The RL game wastes the odd numbers (GuessNumberEnv.wasted_numbers), the corpus holds no rule
     (corpus_waste_every=0): a scripted critic that knows the RL rule reads 1 on _rl, 0 on _other, NaN on _corpus."""
