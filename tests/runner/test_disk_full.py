@@ -29,7 +29,9 @@ def test_checkpoint_that_does_not_fit_is_one_line_and_the_rerun_resumes(tmp_path
     workdir, marker = tmp_path / "run", tmp_path / "hold"
     ckdir = workdir / "checkpoints"
     ckdir.mkdir(parents=True)
-    # conftest.one_process_reference's command: its programs come from the persistent compilation cache
+    # conftest.one_process_reference's command: in `make test` its programs are in the persistent compilation cache
+    # by the time this file runs (conftest.LONGEST_FIRST starts the two chains that build the reference first); alone,
+    # this file compiles them itself
     cmd = " ".join(shlex.quote(c) for c in tm._cmd(str(workdir)))
     fill = (f"{shlex.quote(sys.executable)} -c \"import os; s = os.statvfs('{ckdir}'); "
             f"open('{ckdir}/ballast', 'wb').write(bytes(s.f_bavail * s.f_frsize))\"")
