@@ -516,13 +516,11 @@ def build_parser():
     return p
 
 
-def main(argv=None) -> int:
-    """The experiment's CLI (module docstring). Exit codes as nlac_jax.train: 2 usage/configuration error, 1 other
-    errors, one line each (--debug: the traceback)."""
-    flags = build_parser().parse_args(argv)
-    setup.setup_logging()
-    import nlac_jax.experiments.config  # noqa: F401  (registers UnitScaleConfig with gin)
-    setup.load_gin(flags.gin_file, flags.gin_param)
+def load_config(gin_files, gin_params) -> UnitScaleConfig:
+    """Parse an experiment's gin files and bindings and check them before anything is built: the run's checks
+    (`setup.load_gin`), then the experiment's own (`UnitScaleConfig`, and warm-up rehearsal only with a warm-up).
+    Raises setup.GinConfigError (one line) on any error."""
+    setup.load_gin(gin_files, gin_params)
     try:
         xcfg = UnitScaleConfig()
         if xcfg.warmup_policy_rehearsal and not loop.LoopConfig().critic_warmup_iterations:
@@ -530,6 +528,15 @@ def main(argv=None) -> int:
                              f"LoopConfig.critic_warmup_iterations > 0 (it acts during the critic warm-up only)")
     except (ValueError, TypeError) as e:
         raise setup.GinConfigError(f"gin configuration error ({type(e).__name__}): {setup.gin_message(e)}") from None
+    return xcfg
+
+
+def main(argv=None) -> int:
+    """The experiment's CLI (module docstring). Exit codes as nlac_jax.train: 2 usage/configuration error, 1 other
+    errors, one line each (--debug: the traceback)."""
+    flags = build_parser().parse_args(argv)
+    setup.setup_logging()
+    load_config(flags.gin_file, flags.gin_param)
     setup.check_writable_dir(flags.workdir)
     setup.enable_compilation_cache(flags.compilation_cache)
     run_experiment(flags.workdir)

@@ -14,6 +14,7 @@ import pytest
 from nlac_jax.envs.base import Episode, Task, Transition
 from nlac_jax.envs.toy import GuessNumberEnv
 from nlac_jax.experiments import arms
+from nlac_jax.experiments.arms import ARMS
 from nlac_jax.nlac.prompts import PromptSet
 from xla_test_flags import xla_flags
 
@@ -90,6 +91,18 @@ def xcfg_warm_steps(gin_file: str) -> int:
         setup.load_gin([gin_file], [], check_run=False)
         from nlac_jax.experiments.config import UnitScaleConfig
         return UnitScaleConfig().warm_steps
+    finally:
+        gin.clear_config()
+
+
+def test_a_broken_experiment_binding_is_one_line_naming_it():
+    import gin
+    from nlac_jax.cli.setup import GinConfigError
+    from nlac_jax.experiments import unit_scale
+    try:
+        with pytest.raises(GinConfigError, match="corpus_wasted_numberz"):
+            unit_scale.load_config(["gin/experiments/unit_toy_learned_critic_knowing.gin"],
+                                   ["experiments.forecast_corpus.corpus_wasted_numberz = (1, 3)"])
     finally:
         gin.clear_config()
 
@@ -255,18 +268,17 @@ def test_twenty_questions_smoke_configuration_runs(tmp_path):
     assert "| refused questions |" in table and "| questions to a win |" in table and "wasted guesses" not in table
 
 
-@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "gin",
-                                                                           "experiments")) if f.endswith(".gin")))
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(REPO, "gin", "experiments"))
+                                         if f.endswith(".gin")))
 def test_every_experiment_gin_file_parses(name):
-    """Each experiment's gin file (its includes, imports and @references: e.g. a target filter's function) parses
-    as the CLI would load it; a typo would otherwise surface minutes into a run."""
+    """Each experiment's gin file (its includes, imports and @references: e.g. a target filter's function) passes
+    what the CLI checks before it builds anything (`unit_scale.load_config`: the run's checks, the experiment's
+    block, its arms); a typo would otherwise surface minutes into a run."""
     import gin
-
-    from nlac_jax.cli import setup
+    from nlac_jax.experiments import unit_scale
     try:
-        setup.load_gin([f"gin/experiments/{name}"], [])
-        from nlac_jax.experiments.config import UnitScaleConfig
-        assert UnitScaleConfig().arms  # the experiment's own block is bound
+        xcfg = unit_scale.load_config([f"gin/experiments/{name}"], [])
+        assert xcfg.seeds and xcfg.arms and set(xcfg.arms) <= set(ARMS), (xcfg.seeds, xcfg.arms)
     finally:
         gin.clear_config()
 
