@@ -27,6 +27,7 @@ from nlac_jax.envs.registry import ENV_NAMES, check_env_name, tau_domain
 from nlac_jax.envs.toy import GuessNumberEnv, GuessNumberTaskSource, binary_search_policy
 from nlac_jax.envs.twenty_questions import (ModelOracle, ScriptedOracle, TwentyQuestionsEnv,
                                             TwentyQuestionsTaskSource, load_object_table, names_object)
+from nlac_jax.storage import fs
 
 __all__ = [
     'BatchedRunner', 'Env', 'EnvBase', 'Episode', 'ListTaskSource', 'ModelRequest', 'StepResult', 'Task', 'TaskCursor', 'TaskSource',
@@ -84,6 +85,7 @@ class EnvFactory:
             return TwentyQuestionsEnv(oracle, **({} if not over else {'max_questions': over['max_turns']}))
         if self.env_name == 'math':
             return MathEnv()
+        # τ-bench modules import tau2 (its package and data): only for the τ-bench envs
         from nlac_jax.envs.tau_bench import TauBenchEnv
         from nlac_jax.envs.tau_judge import NLAssertionJudge
         from nlac_jax.envs.tau_users import ModelUser, ScriptedUser
@@ -138,7 +140,7 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
         else:
             raise ValueError(f"make_task_source: unknown math source {kind!r}; use 'generator' or 'jsonl'")
     else:
-        from nlac_jax.envs.tau_bench import TauBenchTaskSource
+        from nlac_jax.envs.tau_bench import TauBenchTaskSource  # tau2: only for the τ-bench envs
         src = TauBenchTaskSource(domain=tau_domain(env_name))  # gin: TauBenchTaskSource.transfer_domains
     for s in (train_split, eval_split):
         if s not in src.splits:
@@ -146,8 +148,6 @@ def make_task_source(env_name: str = gin.REQUIRED, source: Optional[str] = None,
     same = train_split == eval_split
     paths = getattr(src, 'paths', None) or {}
     if not same and train_split in paths and eval_split in paths:
-        from nlac_jax.storage import fs
-
         def real(p):
             return fs.abspath(p) if fs.is_remote(p) else os.path.realpath(p)
         same = real(paths[train_split]) == real(paths[eval_split])
