@@ -53,6 +53,7 @@ except (RuntimeError, ValueError):  # devices already initialised, or no GPU sup
     pass
 
 from nlac_jax.data.names import SEQIO_TASK_PREFIX  # noqa: E402
+from nlac_jax.envs import answers_equal, extract_answer, make_task_source  # noqa: E402
 from nlac_jax.envs.base import Task, TaskSource, pass_hat_k  # noqa: E402
 from nlac_jax.envs.registry import ENV_NAMES  # noqa: E402
 
@@ -226,7 +227,6 @@ def _solution_text(prediction: Any) -> str:
 
 def math_accuracy(targets: Sequence, predictions: Sequence) -> dict:
     """{'accuracy': fraction of solutions whose extracted final answer equals the reference (answers_equal)}."""
-    from nlac_jax.envs.math_grading import answers_equal, extract_answer
     _check_lengths(targets, predictions)
     correct = 0
     for ref, pred in zip(targets, predictions):
@@ -282,7 +282,6 @@ def register_task_source(name: str, source_fn: Callable[[], TaskSource], env_nam
 
 def _env_source_fn(env_name: str) -> Callable[[], TaskSource]:
     def source_fn() -> TaskSource:
-        from nlac_jax.envs import make_task_source
         return make_task_source(env_name=env_name)  # gin bindings on make_task_source / the sources apply
 
     source_fn.__name__ = f'make_task_source_{env_name}'

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Protocol, Sequence
 
+from nlac_jax import training
 from nlac_jax.nlac import targets
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.rl.transitions import transitions_from_episode
@@ -272,7 +273,6 @@ class SplitCriticNLAC(NLAC):
         warm start). Refuses `LoopConfig.critic_warmup_lr_scale` != 1: the boost covers a state's first
         `critic_warmup_iterations * train_steps` updates, which the run's state would make after the warm-up
         (it trains no L1 then), so its policy steps would be boosted instead of the critic's warm-up."""
-        from nlac_jax import training
         if getattr(run.loop, "critic_warmup_lr_scale", 1) != 1:
             raise ValueError(f"learner {self.name!r}: LoopConfig.critic_warmup_lr_scale = "
                              f"{run.loop.critic_warmup_lr_scale} would boost the policy's first steps, not the "
