@@ -252,6 +252,9 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
       alternative, with this probability, a guess outside the possible range (half of them a repeat of an answered
       guess when there is one), so the evaluator sees what it judges. 0: the waste-only critique.
     """
+    if corpus_waste_p is not None and corpus_wasted_numbers:
+        raise ValueError("forecast_corpus: corpus_wasted_numbers lists a rule and corpus_waste_p asks for none; "
+                         "bind one of them")
     ps = prompts if prompts is not None else PromptSet(task="toy", prompt_set=PROMPT_SET)
     cfg = target_cfg or TargetConfig()
     out: list[CorpusExample] = []
@@ -352,7 +355,8 @@ def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, see
 
 def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_waste_every: int = 2,
                 samples: int = 1, max_turns: Optional[int] = None, params: str = "policy",
-                greedy: bool = True, wasted_numbers: Sequence[int] = ()) -> dict:
+                greedy: bool = True, wasted_numbers: Sequence[int] = (),
+                corpus_wasted_numbers: Sequence[int] = ()) -> dict:
     """What the critic KNOWS about the waste rule: for every first guess g in 1..n (the game's opening state),
     ``samples`` forecasts of the successor, and the fraction whose reply is "no answer".
 
@@ -362,7 +366,7 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
 
     Returns probe/wasted_said_rl (mean over the RL game's wasted numbers: multiples of ``waste_every`` and
     ``wasted_numbers``), probe/wasted_said_corpus (over numbers only the corpus rule, multiples of
-    ``corpus_waste_every``, wastes; NaN when the corpus holds no rule, ``corpus_waste_every = 0``),
+    ``corpus_waste_every`` and ``corpus_wasted_numbers``, wastes; NaN when the corpus holds no rule),
     probe/wasted_said_other (over numbers neither rule wastes), probe/knowledge_accuracy (over all g: the majority
     forecast agrees with the RL rule), and the scored probabilities probe/p_wasted_{rl,corpus,other} over the same
     groups; probe/p_gap_rl and probe/p_gap_corpus: P(wasted) averaged over the numbers the RL (corpus) rule wastes
@@ -372,7 +376,7 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
     env = _env(n, max_turns)
     state = env.reset(Task(id=f"probe-{n}", split="probe", payload={"target": 1, "n": n}))
     rl_wasted = _env(n, max_turns, waste_every, wasted_numbers).wasted
-    corpus_wasted = _env(n, max_turns, corpus_waste_every).wasted
+    corpus_wasted = _env(n, max_turns, corpus_waste_every, corpus_wasted_numbers).wasted
     guesses = list(range(1, n + 1))
     settings = greedy_settings(sampler, ("successor",)) if greedy else None
     out = check_samples(sampler.sample([prompts.successor(state, str(g)) for g in guesses], params, "successor",

@@ -175,8 +175,9 @@ def probe(run, xcfg) -> dict:
     if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "has_waste", False):
         return {}
     env = run.judge_env
+    listed = gin.get_bindings(corpus_forecast.forecast_corpus).get("corpus_wasted_numbers", ())
     out = corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, env.waste_every, corpus_rule(),
-                                      wasted_numbers=sorted(env.wasted_numbers))
+                                      wasted_numbers=sorted(env.wasted_numbers), corpus_wasted_numbers=listed)
     p_out = float(gin.get_bindings(corpus_forecast.forecast_corpus).get("p_out_of_range", 0.0))
     out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
     return out
@@ -214,8 +215,8 @@ def probe_twenty_questions(run) -> dict:
 
 def corpus_rule() -> int:
     """The learned-critic corpus game's waste rule (multiples of this; 0 = a rule-free corpus game, whose
-    episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`, or a listed rule,
-    `corpus_wasted_numbers`, which the probe and the references do not read as a corpus rule)."""
+    episodes each waste a random set: `experiments.forecast_corpus.corpus_waste_p`, or a game whose rule is listed,
+    `corpus_wasted_numbers`, which `probe` reads from the same bindings)."""
     b = gin.get_bindings(corpus_forecast.forecast_corpus)
     return 0 if b.get("corpus_waste_p") is not None else int(b.get("corpus_waste_every", 2))
 
@@ -429,15 +430,33 @@ def run_experiment(workdir: str) -> dict:
 
     def premise_skips(seed, arm) -> bool:  # no trained arm of a seed whose warm start failed the premise
         return seed in premise and not premise[seed][0] and arm != "warm_start"
+    checked = xcfg.premise_min_gap is not None or xcfg.premise_max_rl_gap is not None
     for seed in xcfg.seeds:
         initial = None
         if seed not in warm_dirs:
             warm_dirs[seed] = build_warm_start(workdir, xcfg, seed)
         warm_params = shared_params if warm_dirs[seed] == warm_dirs[xcfg.seeds[0]] else _load_params(run, warm_dirs[seed])
+
+        def warm_eval():  # the warm start's evaluation and probes: the same for every arm of this seed
+            _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
+            out = run.evaluate(-1)
+            out.update(probe(run, xcfg))
+            _progress(workdir, f"warm start seed {seed}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(out.items())
+                if isinstance(v, float) and (k.startswith(("probe/", "skill/")) or k in _HEADLINE)))
+            return out
         premise_file = os.path.join(workdir, f"premise_seed_{seed}.json")
         if os.path.isfile(premise_file):
             with open(premise_file) as f:
                 premise[seed] = tuple(json.load(f))
+        elif checked:  # before any arm, and on a rerun whose arms finished before the check was asked for
+            initial = warm_eval()
+            premise[seed] = premise_check(
+                initial, xcfg.premise_min_gap, xcfg.premise_max_rl_gap,
+                "attribute questions" if xcfg.corpus == "twenty_questions_forecast" else "numbers")
+            with open(premise_file, "w") as f:
+                json.dump(list(premise[seed]), f)
+            _progress(workdir, f"seed {seed}: {premise[seed][1]}" + ("" if premise[seed][0] else "; its arms are not run"))
         for arm in xcfg.arms:
             out_dir = os.path.join(workdir, "arms", arm, f"seed_{seed}")
             done = os.path.join(out_dir, DONE)
@@ -449,24 +468,8 @@ def run_experiment(workdir: str) -> dict:
                     seconds[arm][seed] = json.load(f)["seconds"]
                 continue
             os.makedirs(out_dir, exist_ok=True)
-            if initial is None:  # the warm start's evaluation: the same for every arm of this seed
-                _reset(run, warm_params, seed, xcfg.iterations, xcfg.eval_every)
-                initial = run.evaluate(-1)
-                initial.update(probe(run, xcfg))
-                _progress(workdir, f"warm start seed {seed}: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in sorted(initial.items())
-                    if isinstance(v, float) and (k.startswith(("probe/", "skill/")) or k in _HEADLINE)))
-                checked = xcfg.premise_min_gap is not None or xcfg.premise_max_rl_gap is not None
-                if checked and seed not in premise:
-                    premise[seed] = premise_check(
-                        initial, xcfg.premise_min_gap, xcfg.premise_max_rl_gap,
-                        "attribute questions" if xcfg.corpus == "twenty_questions_forecast" else "numbers")
-                    with open(premise_file, "w") as f:
-                        json.dump(list(premise[seed]), f)
-                    _progress(workdir, f"seed {seed}: {premise[seed][1]}"
-                                       + ("" if premise[seed][0] else "; its arms are not run"))
-                if premise_skips(seed, arm):
-                    continue
+            if initial is None:
+                initial = warm_eval()
             t1 = time.perf_counter()
             rows = run_arm(run, arm, seed, xcfg, warm_params, out_dir, initial)
             secs = time.perf_counter() - t1

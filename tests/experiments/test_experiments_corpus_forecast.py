@@ -283,6 +283,28 @@ def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
                                  "probe/p_wasted_other": 0.1, "probe/p_gap_rl": 0.7})
 
 
+def test_waste_probe_reads_a_listed_corpus_rule():
+    """corpus_wasted_numbers: the corpus game's rule listed (here the RL game's own, the knowing-critic reference):
+    p_gap_corpus reads it as p_gap_rl does, so the premise "the warm start holds its corpus's rule" can be checked."""
+    from nlac_jax.rl.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+
+    def successor(messages, j):
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 else "Reply: lower.")
+
+    def scores(messages, continuation, served):
+        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
+        a, b = (0.4, 0.025) if g % 2 else (0.05, 0.1125)  # P(wasted) 0.8 for odds, 0.1 for evens
+        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
+    odds = (1, 3, 5, 7, 9, 11)
+    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}, scores=scores), ps, 12, waste_every=0,
+                        corpus_waste_every=0, wasted_numbers=odds, corpus_wasted_numbers=odds)
+    assert got["probe/p_gap_corpus"] == pytest.approx(0.7) and got["probe/p_gap_rl"] == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="corpus_wasted_numbers lists a rule and corpus_waste_p asks for none"):
+        F.forecast_corpus(N, 2, 0, skill_episodes=0, corpus_waste_p=0.3, corpus_wasted_numbers=odds)
+
+
 def test_references_for_a_listed_rule(source):
     """Odd numbers wasted: the true rule's refiner wins far more often than the waste-blind behaviour; a rule-free
     corpus has no corpus-rule reference."""

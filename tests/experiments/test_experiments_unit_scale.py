@@ -2,6 +2,7 @@
 end to end (every arm runs, the table and the figures are written, a rerun resumes). Learning itself is shown by
 the full experiment (README, "Does NLAC learn?"), not asserted here."""
 
+import json
 import math
 import os
 import subprocess
@@ -165,19 +166,24 @@ def test_premise_check_by_hand():
 @pytest.mark.slow
 def test_a_seed_whose_warm_start_fails_the_premise_runs_no_arm(tmp_path):
     """The oracle smoke configuration has no knowledge probe, so a premise check asked of it fails: the warm start
-    is built and evaluated, no trained arm runs, and the table and progress.log say why. A rerun keeps the verdict."""
+    is evaluated, no trained arm runs, and the table and progress.log say why. The check also holds for arms that
+    finished before it was asked for (here `nlac`, from a first run without it): the table leaves them out. The
+    verdict is kept in the workdir for the reruns."""
     workdir = str(tmp_path / "premise")
+    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600,
+                    params=["experiments.UnitScaleConfig.arms = ('warm_start', 'nlac')"])
+    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["nlac", "warm_start"]
     params = ["experiments.UnitScaleConfig.premise_min_gap = 0.5",
               "experiments.UnitScaleConfig.arms = ('warm_start', 'nlac', 'rft')"]
     _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600, params=params)
-    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["warm_start"]
+    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["nlac", "warm_start"]  # rft never ran
     table = open(os.path.join(workdir, "results.md")).read()
     assert "Seed 0: premise failed: the warm start has no knowledge-probe metrics" in table, table
-    assert "| warm_start | 1 |" in table and "| nlac | 0 |" in table, table
-    _run_unit_scale("gin/experiments/unit_toy_smoke.gin", workdir, timeout=600, params=params)
+    assert "| warm_start | 1 |" in table and "| nlac | 0 |" in table and "| rft | 0 |" in table, table
     progress = open(os.path.join(workdir, "progress.log")).read()
-    assert progress.count("premise failed") == 1, progress  # decided once, read back on the rerun
-    assert sorted(os.listdir(os.path.join(workdir, "arms"))) == ["warm_start"]
+    assert progress.count("premise failed") == 1 and "its arms are not run" in progress, progress
+    with open(os.path.join(workdir, "premise_seed_0.json")) as f:
+        assert json.load(f)[0] is False  # what a rerun reads instead of checking again
 
 
 def test_warm_role_repeat_lists_a_role_k_times_and_rejects_bad_values():
