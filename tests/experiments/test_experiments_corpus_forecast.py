@@ -260,11 +260,10 @@ def test_listed_corpus_rule_teaches_the_rl_games_rule(source):
     assert _key([e for e in ex if e.role == "successor"]) != _key([e for e in even if e.role == "successor"])
 
 
-def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
-    """The RL game wastes the odd numbers (GuessNumberEnv.wasted_numbers), the corpus holds no rule
-    (corpus_waste_every=0): a scripted critic that knows the RL rule reads 1 on _rl, 0 on _other, NaN on _corpus."""
+def _odd_rule_critic():
+    """A scripted successor that knows "the odd numbers are wasted": its greedy forecast says "no answer" for every
+    odd guess, and its scored P(wasted) is 0.8 for odd guesses, 0.1 for even ones. Returns (sampler, prompts)."""
     from nlac_jax.rl.roles import ScriptedRoleSampler
-    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
 
     def successor(messages, j):
         g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
@@ -272,9 +271,16 @@ def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
 
     def scores(messages, continuation, served):
         g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
-        a, b = (0.4, 0.025) if g % 2 else (0.05, 0.1125)  # P(wasted) 0.8 for odds, 0.1 for evens
+        a, b = (0.4, 0.025) if g % 2 else (0.05, 0.1125)
         return math.log(a if continuation.endswith("\nReply: no answer.") else b)
-    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}, scores=scores), ps, 12, waste_every=0,
+    return ScriptedRoleSampler({"successor": successor}, scores=scores), PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+
+
+def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
+    """The RL game wastes the odd numbers (GuessNumberEnv.wasted_numbers), the corpus holds no rule
+    (corpus_waste_every=0): a scripted critic that knows the RL rule reads 1 on _rl, 0 on _other, NaN on _corpus."""
+    sampler, ps = _odd_rule_critic()
+    got = F.waste_probe(sampler, ps, 12, waste_every=0,
                         corpus_waste_every=0, wasted_numbers=(1, 3, 5, 7, 9, 11))
     assert math.isnan(got.pop("probe/wasted_said_corpus")) and math.isnan(got.pop("probe/p_wasted_corpus"))
     assert math.isnan(got.pop("probe/p_gap_corpus"))  # a rule that wastes nothing has no gap
@@ -286,19 +292,9 @@ def test_waste_probe_with_a_listed_rule_and_a_rule_free_corpus():
 def test_waste_probe_reads_a_listed_corpus_rule():
     """corpus_wasted_numbers: the corpus game's rule listed (here the RL game's own, the knowing-critic reference):
     p_gap_corpus reads it as p_gap_rl does, so the premise "the warm start holds its corpus's rule" can be checked."""
-    from nlac_jax.rl.roles import ScriptedRoleSampler
-    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
-
-    def successor(messages, j):
-        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
-        return "Outcome: failure; Return: 0\n" + ("Reply: no answer." if g % 2 else "Reply: lower.")
-
-    def scores(messages, continuation, served):
-        g = int(messages[-1]["content"].rsplit("Guess: ", 1)[1])
-        a, b = (0.4, 0.025) if g % 2 else (0.05, 0.1125)  # P(wasted) 0.8 for odds, 0.1 for evens
-        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
+    sampler, ps = _odd_rule_critic()
     odds = (1, 3, 5, 7, 9, 11)
-    got = F.waste_probe(ScriptedRoleSampler({"successor": successor}, scores=scores), ps, 12, waste_every=0,
+    got = F.waste_probe(sampler, ps, 12, waste_every=0,
                         corpus_waste_every=0, wasted_numbers=odds, corpus_wasted_numbers=odds)
     assert got["probe/p_gap_corpus"] == pytest.approx(0.7) and got["probe/p_gap_rl"] == pytest.approx(0.7)
     with pytest.raises(ValueError, match="corpus_wasted_numbers lists a rule and corpus_waste_p asks for none"):
