@@ -175,10 +175,11 @@ def probe(run, xcfg) -> dict:
     if xcfg.corpus != "toy_forecast" or not getattr(run.judge_env, "has_waste", False):
         return {}
     env = run.judge_env
-    listed = gin.get_bindings(corpus_forecast.forecast_corpus).get("corpus_wasted_numbers", ())
+    b = gin.get_bindings(corpus_forecast.forecast_corpus)
     out = corpus_forecast.waste_probe(run.roles, run.prompts, xcfg.n, env.waste_every, corpus_rule(),
-                                      wasted_numbers=sorted(env.wasted_numbers), corpus_wasted_numbers=listed)
-    p_out = float(gin.get_bindings(corpus_forecast.forecast_corpus).get("p_out_of_range", 0.0))
+                                      wasted_numbers=sorted(env.wasted_numbers),
+                                      corpus_wasted_numbers=b.get("corpus_wasted_numbers", ()))
+    p_out = float(b.get("p_out_of_range", 0.0))
     out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
     return out
 
