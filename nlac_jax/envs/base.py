@@ -173,6 +173,12 @@ class EnvBase:
         ``evaluation.action_breakdown``); None when the env has no such labels."""
         return None
 
+    def task_group(self, task: Task) -> Optional[str]:
+        """A label for ``task`` whose episodes' success is also reported apart (``success_by_group``), for a
+        diagnostic that may use hidden task data (the toy number: whether the waste rule covers the target); None
+        when the env has no groups."""
+        return None
+
 
 class TaskCursor:
     """Deterministic, resumable iterator over a split: reshuffles every epoch from (seed, epoch).
@@ -546,6 +552,22 @@ def pass_hat_k_from_episodes(episodes: Sequence[Episode], k: int) -> float:
     for e in episodes:
         by_task.setdefault(e.task.id, []).append(bool(e.success))
     return pass_hat_k(list(by_task.values()), k)
+
+
+def success_by_group(episodes: Sequence[Episode], env: EnvBase) -> dict:
+    """{"success/<group>": success rate, "episodes/<group>": count} over ``env.task_group`` of each episode's task
+    (no model call); {} when the env has no groups. Why: a held-out gain can come from one kind of task alone (a
+    policy that never guesses odd numbers wins only on even targets), which the overall rate hides."""
+    groups: dict = {}
+    for ep in episodes:
+        g = env.task_group(ep.task)
+        if g is not None:
+            groups.setdefault(g, []).append(bool(ep.success))
+    out = {}
+    for g in sorted(groups):
+        out[f"success/{g}"] = sum(groups[g]) / len(groups[g])
+        out[f"episodes/{g}"] = float(len(groups[g]))
+    return out
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict:

@@ -183,6 +183,13 @@ class GuessNumberEnv(EnvBase):
         """Whether this game wastes any guess."""
         return self.waste_every > 0 or bool(self.wasted_numbers)
 
+    def task_group(self, task: Task) -> Optional[str]:
+        """"rule_target" when this game's waste rule covers the task's hidden number (a policy that never guesses
+        such numbers cannot win it), else "free_target"; None when the game wastes nothing."""
+        if not self.has_waste:
+            return None
+        return "rule_target" if self.wasted(int(task.payload['target'])) else "free_target"
+
     # --- optimality diagnostics -------------------------------------------------------------------------------
     def _replay(self, history: Sequence[dict]):
         """(lo, hi, turns_left, over) after the assistant turns in ``history`` (for this env's current task)."""

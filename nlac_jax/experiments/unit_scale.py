@@ -258,7 +258,12 @@ def _read_rows(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- report
 TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "held-out return"),
               ("eval/mean_length_success", "turns to a win"),
-              ("collect/success_rate", "train success (last iter)"), ("eval/critic_auc", "critic AUC"),
+              ("eval/success/free_target", "held-out success, targets the rule spares"),
+              ("eval/success/rule_target", "held-out success, targets the rule wastes"),
+              # training episodes are 16 per iteration: the mean of the last 4 iterations (64 episodes)
+              ("collect/success_rate", "train success (last 4 iters)", 4),
+              ("collect/success/rule_target", "train success, targets the rule wastes (last 4 iters)", 4),
+              ("eval/critic_auc", "critic AUC"),
               ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
               ("eval/verdict/predicted_optimal", "judged optimal"), ("eval/verdict/truly_optimal", "truly optimal"),
               ("eval/calib/return_mae", "calibration MAE"),
@@ -280,15 +285,15 @@ def table_keys(corpus: str) -> tuple:
     """(metric key, column label) of the results table for the experiment's corpus (``UnitScaleConfig.corpus``)."""
     if corpus != "twenty_questions_forecast":
         return TABLE_KEYS
-    return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n)) for k, n in TABLE_KEYS) + (
+    return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n), *rest) for k, n, *rest in TABLE_KEYS) + (
         ("eval/actions/uninformative", "questions every possible object answers alike"),)
 
 
-def _final(rows: list[dict], key: str) -> float:
-    # the last row that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome class), never an older
-    # iteration's value
+def _final(rows: list[dict], key: str, last: int = 1) -> float:
+    # the mean of the last `last` rows that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome
+    # class), never an older iteration's value
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return vals[-1] if vals else math.nan
+    return float(np.mean(vals[-last:])) if vals else math.nan
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -299,12 +304,12 @@ def _mean_std(xs: list[float]) -> str:
 
 
 def results_table(results: dict, seconds: dict, reference: dict | None = None, keys: tuple = TABLE_KEYS) -> str:
-    """Markdown: per arm, the final value of each ``keys`` metric (``table_keys``) as mean ± std over seeds
-    (population std)."""
-    head = "| arm | seeds | " + " | ".join(n for _, n in keys) + " | seconds per seed |"
+    """Markdown: per arm, the final value of each ``keys`` metric (``table_keys``: (key, label[, last n rows
+    averaged])) as mean ± std over seeds (population std)."""
+    head = "| arm | seeds | " + " | ".join(n for _, n, *_ in keys) + " | seconds per seed |"
     lines = [head, "|" + "---|" * (len(keys) + 3)]
     for arm, per_seed in results.items():
-        cells = [_mean_std([_final(rows, k) for rows in per_seed.values()]) for k, _ in keys]
+        cells = [_mean_std([_final(rows, k, *last) for rows in per_seed.values()]) for k, _, *last in keys]
         secs = [seconds.get(arm, {}).get(s, math.nan) for s in per_seed]
         lines.append(f"| {arm} | {len(per_seed)} | " + " | ".join(cells) + f" | {_mean_std(secs)} |")
     if reference:

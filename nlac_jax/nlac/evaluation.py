@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from nlac_jax.envs.base import EnvBase, Episode, episode_metrics
+from nlac_jax.envs.base import EnvBase, Episode, episode_metrics, success_by_group
 from nlac_jax.nlac import critic_scores
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.verdict import clean_action, parse_outcome, parse_verdict, strip_think
@@ -168,6 +168,8 @@ def evaluate(envs: Sequence, tasks: Sequence, sampler: RoleSampler, prompts: Pro
     episodes, _ = rollout.collect(envs, tasks, policy_fn, max_turns=max_turns, processes=processes)
     m = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
     m.update({f"eval/{k}": v for k, v in action_breakdown(episodes, judge_env).items()})
+    if judge_env is not None:
+        m.update({f"eval/{k}": v for k, v in success_by_group(episodes, judge_env).items()})
     if score_transitions > 0:
         m.update({f"eval/{k}": v for k, v in critic_score_metrics(
             episodes, sampler, prompts, score_transitions, params).items()})

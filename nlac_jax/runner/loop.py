@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from nlac_jax import data, envs, models, sampling, text, training
-from nlac_jax.envs.base import episode_metrics
+from nlac_jax.envs.base import episode_metrics, success_by_group
 from nlac_jax.models import hf_io
 from nlac_jax.nlac import algorithm, evaluation, model_roles, prompts as prompts_lib, targets
 from nlac_jax.observability import plots
@@ -272,6 +272,7 @@ class NLACRun:
                                                 task_name=self.env_name, max_turns=loop.max_turns,
                                                 processes=self.processes)
         m.update({f"collect/{k}": v for k, v in episode_metrics(episodes).items()})
+        m.update({f"collect/{k}": v for k, v in success_by_group(episodes, self.judge_env).items()})
         m["collect/episodes_this_process"] = len(self.processes.share(tasks))  # the others are gathered
         m.update(self.roles.counters.as_dict("collect/gen/"))
         m.update(self.fitter.reset_counters().as_dict("collect/prompt/"))
