@@ -240,6 +240,23 @@ def test_action_categories_by_hand():
     assert action_breakdown([ep], None) == {}
 
 
+def test_success_by_group_by_hand():
+    """success_by_group over the odd-wasting game's task_group: targets 3 and 7 are "rule_target" (the rule covers
+    them), 4 "free_target"; rates and counts worked by hand; {} for a game that wastes nothing."""
+    from nlac_jax.envs.base import Episode, success_by_group
+    env = GuessNumberEnv(n=32, wasted_numbers=tuple(range(1, 33, 2)))
+
+    def ep(target, success):
+        return Episode(task=Task(id=f'g{target}', split='test', payload={'target': target, 'n': 32}), messages=[],
+                       transitions=[], total_return=0.0, success=success, length=1, num_errors=0)
+    eps = [ep(3, True), ep(7, False), ep(3, False), ep(4, True)]
+    assert success_by_group(eps, env) == {'success/free_target': 1.0, 'episodes/free_target': 1.0,
+                                          'success/rule_target': 1 / 3, 'episodes/rule_target': 3.0}
+    assert GuessNumberEnv(n=32, waste_every=3).task_group(eps[0].task) == 'rule_target'
+    assert GuessNumberEnv(n=32, waste_every=3).task_group(eps[3].task) == 'free_target'
+    assert success_by_group(eps, GuessNumberEnv(n=32)) == {}
+
+
 def test_dominated_guess_reads_the_public_transcript_as_the_env_categorises():
     """envs.dominated_guess (public transcript only) == the env's own categories 'repeat' or 'outside' (which replay
     the hidden target), on random games with waste, repeats and out-of-range guesses."""

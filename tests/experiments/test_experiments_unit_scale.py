@@ -249,7 +249,19 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
         # the held-out action breakdown (evaluation.action_breakdown): fractions of every action, summing to 1
         assert all(abs(sum(r[f"eval/actions/{c}"] for c in GuessNumberEnv.ACTION_CATEGORIES) - 1) < 1e-9
                    for r in rows if "eval/success_rate" in r), rows
-    assert "| wasted guesses |" in table
+        # success per kind of target (GuessNumberEnv.task_group): the groups' episodes are all of them, and their
+        # rates average to the overall rate, held out and in training
+        for r in rows:
+            for phase in ("eval", "collect"):
+                if f"{phase}/success_rate" not in r:
+                    continue
+                # (a group with no episode has no key: the smoke split holds out only even, free targets)
+                n = {g: r[f"{phase}/episodes/{g}"] for g in ("rule_target", "free_target")
+                     if f"{phase}/episodes/{g}" in r}
+                assert n and sum(n.values()) == r[f"{phase}/num_episodes"], r
+                assert abs(sum(n[g] * r[f"{phase}/success/{g}"] for g in n) / sum(n.values())
+                           - r[f"{phase}/success_rate"]) < 1e-9, r
+    assert "| wasted guesses |" in table and "| held-out success, targets the rule wastes |" in table
 
 
 @pytest.mark.slow
@@ -302,6 +314,10 @@ def test_results_table_by_hand():
     assert cells["held-out success"] == "0.300 ± 0.100" and cells["questions to a win"] == "5.000"
     assert cells["refused questions"] == "–" and cells["seconds per seed"] == "20.000 ± 10.000"
     assert "wasted guesses" in results_table(results, {}, None) and "refused questions" not in results_table(results, {})
+    # a (key, label, n) column averages the last n measured rows of each seed
+    rows = {0: [{"collect/success_rate": x} for x in (0.0, 0.5, 0.25, 0.75, 1.0)], 1: [{"collect/success_rate": 0.5}]}
+    head, _, row = results_table({"nlac": rows}, {}, None, (("collect/success_rate", "train", 4),)).splitlines()
+    assert row.split("|")[3].strip() == "0.562 ± 0.062"  # seed 0: (0.5 + 0.25 + 0.75 + 1) / 4 = 0.625; seed 1: 0.5
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
