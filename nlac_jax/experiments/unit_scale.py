@@ -346,13 +346,16 @@ def _curves(ax, results: dict, key: str, title: str) -> None:
 
 
 def plot_results(results: dict, workdir: str) -> tuple[str, str]:
-    """learning_curves.png (held-out and train success, held-out return) and critic_curves.png."""
+    """learning_curves.png (held-out success, also per kind of target where the env has groups; train success;
+    held-out return) and critic_curves.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paths = []
     for name, panels in (
         ("learning_curves.png", (("eval/success_rate", "held-out success"),
+                                 ("eval/success/rule_target", "held-out success, targets the rule wastes"),
+                                 ("eval/success/free_target", "held-out success, targets the rule spares"),
                                  ("eval/critic_auc", "critic AUC: scored P(success) vs held-out outcome"),
                                  ("collect/success_rate", "train success (sampled)"),
                                  ("eval/mean_return", "held-out return"),

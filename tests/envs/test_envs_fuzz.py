@@ -3,8 +3,14 @@
 Every env (toy, 20 Questions with the scripted oracle, math, τ-bench retail / airline with the scripted user) gets
 ``N_ACTIONS`` deterministic random + adversarial actions twice: directly through ``env.step`` and through
 ``BatchedRunner``. Assertions: no exception escapes (directly) and no episode ends as an env error (runner path),
-every call returns within ``STEP_LIMIT_S``, the whole env within its budget, and nothing is written to the repo or
-the working directory (the tests run in a temporary cwd; injection strings name marker files there).
+every call returns within ``STEP_LIMIT_S`` of CPU time, the whole env within its CPU budget, and nothing is written
+to the repo or the working directory (the tests run in a temporary cwd; injection strings name marker files there).
+
+The bounds are CPU time (``time.thread_time`` per call, ``time.process_time`` per env), never wall time: a runaway
+parse (the defects this suite guards against burnt minutes of CPU) exceeds them on any machine, while a loaded one
+only stretches wall time (a τ-bench step that ends an episode took 11.6 s of wall time in a CI run that shared 2
+cores with an experiment). Work in a child process (the math grader's sandbox) is bounded by the product's own
+timeout, tested in test_envs_math.
 """
 
 import json
@@ -26,10 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 N_ACTIONS = 2000        # direct env.step path, per env
 N_RUNNER_ACTIONS = 1000  # BatchedRunner path, per env (fresh actions: another seed)
 N_LONG_ACTIONS = 300     # direct path again with the action-length limit lifted
-# A hang (the defects this suite guards against ran for minutes) is far above this; a τ-bench reset that unpickles
-# the airline database takes ~0.2 s alone and 2.4 s was seen on a loaded 2-core machine, so the bound leaves room.
+# CPU seconds. A runaway call is far above this; a τ-bench reset that unpickles the airline database takes ~0.2 s.
 STEP_LIMIT_S = 10.0
-ENV_BUDGET_S = 150.0  # per env and path; typical runs take a few seconds
+ENV_BUDGET_S = 150.0  # CPU seconds per env and path; typical runs take a few seconds
 MARKER = 'PWNED_FUZZ_MARKER'
 
 RETAIL_TOOLS = ['calculate', 'cancel_pending_order', 'exchange_delivered_order_items', 'find_user_id_by_email',
@@ -232,7 +237,8 @@ def _random_latex(rng: random.Random) -> str:
 # ------------------------------------------------------------------------------------------------ harness ---
 
 class _Timed:
-    """Env proxy that times reset / step / step_begin / step_end (the runner path sees no difference)."""
+    """Env proxy that measures the CPU time of reset / step / step_begin / step_end in the thread that runs them (the
+    runner path sees no difference)."""
 
     def __init__(self, env, slow: list):
         self._env, self._slow = env, slow
@@ -241,11 +247,11 @@ class _Timed:
         return getattr(self._env, name)
 
     def _time(self, name, arg):
-        t = time.perf_counter()
+        t = time.thread_time()
         try:
             return getattr(self._env, name)(arg)
         finally:
-            dt = time.perf_counter() - t
+            dt = time.thread_time() - t
             if dt > STEP_LIMIT_S:
                 self._slow.append((name, dt, repr(arg)[:200]))
 
@@ -269,21 +275,22 @@ def _check_result(res) -> None:
 
 
 def fuzz_direct(env, tasks, actions):
-    """Step ``env`` through ``actions`` directly (resetting on episode end); returns (failures, slow, seconds)."""
-    failures, slow, t0 = [], [], time.perf_counter()
+    """Step ``env`` through ``actions`` directly (resetting on episode end); returns (failures, slow calls, CPU
+    seconds)."""
+    failures, slow, t0 = [], [], time.process_time()
     it = iter(range(10 ** 9))
     done, turns = True, 0
     for a in actions:
         try:
             if done or turns >= env.max_turns:
-                t = time.perf_counter()
+                t = time.thread_time()
                 env.reset(tasks[next(it) % len(tasks)])
                 done, turns = False, 0
-                if time.perf_counter() - t > STEP_LIMIT_S:
-                    slow.append(('reset', time.perf_counter() - t, ''))
-            t = time.perf_counter()
+                if time.thread_time() - t > STEP_LIMIT_S:
+                    slow.append(('reset', time.thread_time() - t, ''))
+            t = time.thread_time()
             res = env.step(a)
-            dt = time.perf_counter() - t
+            dt = time.thread_time() - t
             if dt > STEP_LIMIT_S:
                 slow.append(('step', dt, repr(a)[:200]))
             _check_result(res)
@@ -291,12 +298,12 @@ def fuzz_direct(env, tasks, actions):
         except Exception:  # noqa: BLE001 - collected and reported all at once
             failures.append((repr(a)[:200], traceback.format_exc(limit=6)[-1500:]))
             done = True
-    return failures, slow, time.perf_counter() - t0
+    return failures, slow, time.process_time() - t0
 
 
 def fuzz_runner(make_env, tasks, actions, pool: int = 4, max_turns=None):
-    """Play ``actions`` through BatchedRunner; returns (episodes, monitor, slow, seconds)."""
-    slow, t0 = [], time.perf_counter()
+    """Play ``actions`` through BatchedRunner; returns (episodes, monitor, slow calls, CPU seconds)."""
+    slow, t0 = [], time.process_time()
     envs = [_Timed(make_env(), slow) for _ in range(pool)]
     queue = list(actions)[::-1]
     filler = iter(range(10 ** 9))
@@ -311,7 +318,7 @@ def fuzz_runner(make_env, tasks, actions, pool: int = 4, max_turns=None):
         batch = [tasks[(k + j) % len(tasks)] for j in range(pool * 2)]
         k += len(batch)
         episodes += runner.run(batch)
-    return episodes, monitor, slow, time.perf_counter() - t0
+    return episodes, monitor, slow, time.process_time() - t0
 
 
 def _listing(path):
@@ -349,14 +356,14 @@ def _run_both(name, make_env, tasks, tool_names, seed, make_long_env=None):
     for label, make, n, sd in runs:
         failures, slow, secs = fuzz_direct(make(), tasks, hostile_actions(sd, n, tool_names))
         assert not failures, f"{label}: {len(failures)} exceptions escaped env.step/reset, first: {failures[0]}"
-        assert not slow, f"{label}: calls over {STEP_LIMIT_S} s: {slow[:5]}"
-        assert secs < ENV_BUDGET_S, f"{label}: direct fuzzing took {secs:.1f} s"
+        assert not slow, f"{label}: calls over {STEP_LIMIT_S} CPU s: {slow[:5]}"
+        assert secs < ENV_BUDGET_S, f"{label}: direct fuzzing took {secs:.1f} CPU s"
     episodes, monitor, slow, secs = fuzz_runner(make_env, tasks, hostile_actions(seed + 1, N_RUNNER_ACTIONS,
                                                                                  tool_names))
     bad = [(e.task.id, e.info.get('env_exception')) for e in episodes if e.env_exceptions or e.info.get('env_error')]
     assert monitor.total == 0 and not bad, f"{name}: env exceptions through BatchedRunner: {bad[:5]}"
-    assert not slow, f"{name}: runner calls over {STEP_LIMIT_S} s: {slow[:5]}"
-    assert secs < ENV_BUDGET_S, f"{name}: runner fuzzing took {secs:.1f} s"
+    assert not slow, f"{name}: runner calls over {STEP_LIMIT_S} CPU s: {slow[:5]}"
+    assert secs < ENV_BUDGET_S, f"{name}: runner fuzzing took {secs:.1f} CPU s"
     assert sum(e.length for e in episodes) >= N_RUNNER_ACTIONS
 
 
