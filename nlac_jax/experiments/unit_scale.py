@@ -260,8 +260,13 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("eval/mean_length_success", "turns to a win"),
               ("eval/success/free_target", "held-out success, targets the rule spares"),
               ("eval/success/rule_target", "held-out success, targets the rule wastes"),
-              # training episodes are 16 per iteration: the mean of the last 4 iterations (64 episodes)
+              # training episodes are 16 per iteration: the first 4 (the warm start's own play) and the last 4
+              # iterations (64 episodes each), overall and per kind of target (episode-weighted)
+              ("collect/success_rate", "train success (iters 1-4)", slice(0, 4)),
               ("collect/success_rate", "train success (last 4 iters)", 4),
+              ("collect/success/free_target", "train success, targets the rule spares (iters 1-4)", slice(0, 4)),
+              ("collect/success/free_target", "train success, targets the rule spares (last 4 iters)", 4),
+              ("collect/success/rule_target", "train success, targets the rule wastes (iters 1-4)", slice(0, 4)),
               ("collect/success/rule_target", "train success, targets the rule wastes (last 4 iters)", 4),
               ("eval/critic_auc", "critic AUC"),
               ("eval/critic_brier", "critic Brier"), ("eval/verdict/accuracy", "verdict accuracy"),
@@ -282,18 +287,30 @@ _TWENTY_QUESTIONS_LABELS = {
 
 
 def table_keys(corpus: str) -> tuple:
-    """(metric key, column label) of the results table for the experiment's corpus (``UnitScaleConfig.corpus``)."""
+    """(metric key, column label[, window]) of the results table for the experiment's corpus
+    (``UnitScaleConfig.corpus``); the optional window (``_final``) picks which measured rows are averaged: an int n
+    = the last n, a slice = those rows; without it, the last row."""
     if corpus != "twenty_questions_forecast":
         return TABLE_KEYS
     return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n), *rest) for k, n, *rest in TABLE_KEYS) + (
         ("eval/actions/uninformative", "questions every possible object answers alike"),)
 
 
-def _final(rows: list[dict], key: str, last: int = 1) -> float:
-    # the mean of the last `last` rows that measured `key`; NaN there stays NaN (e.g. an AUC with one outcome
-    # class), never an older iteration's value
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return float(np.mean(vals[-last:])) if vals else math.nan
+def _final(rows: list[dict], key: str, window: int | slice = 1) -> float:
+    """The mean of ``key`` over a window of the rows that measured it: an int n = the last n (default: the last
+    one), a slice = those rows (slice(0, 4): the first 4). A per-group rate ("<phase>/success/<group>") is weighted
+    by its episode count ("<phase>/episodes/<group>") where the rows carry it: groups get different numbers of
+    episodes per iteration. NaN stays NaN (e.g. an AUC with one outcome class), never another row's value."""
+    measured = [r for r in rows if isinstance(r.get(key), (int, float))]
+    sel = measured[window] if isinstance(window, slice) else measured[-window:]
+    if not sel:
+        return math.nan
+    vals = np.array([float(r[key]) for r in sel])
+    wkey = key.replace("/success/", "/episodes/", 1) if "/success/" in key else None
+    weights = [r.get(wkey) for r in sel] if wkey else []
+    if wkey and all(isinstance(w, (int, float)) for w in weights) and sum(weights) > 0:
+        return float(np.dot(vals, weights) / sum(weights))
+    return float(np.mean(vals))
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -304,8 +321,9 @@ def _mean_std(xs: list[float]) -> str:
 
 
 def results_table(results: dict, seconds: dict, reference: dict | None = None, keys: tuple = TABLE_KEYS) -> str:
-    """Markdown: per arm, the final value of each ``keys`` metric (``table_keys``: (key, label[, last n rows
-    averaged])) as mean ± std over seeds (population std)."""
+    """Markdown: per arm, the final value of each ``keys`` metric (``table_keys``: (key, label[, window]); a window
+    is an int n = the mean of the last n measured rows, or a slice of them: ``_final``) as mean ± std over seeds
+    (population std). Columns with the same label are not merged: labels must differ."""
     head = "| arm | seeds | " + " | ".join(n for _, n, *_ in keys) + " | seconds per seed |"
     lines = [head, "|" + "---|" * (len(keys) + 3)]
     for arm, per_seed in results.items():

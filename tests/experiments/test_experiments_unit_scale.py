@@ -318,6 +318,14 @@ def test_results_table_by_hand():
     rows = {0: [{"collect/success_rate": x} for x in (0.0, 0.5, 0.25, 0.75, 1.0)], 1: [{"collect/success_rate": 0.5}]}
     head, _, row = results_table({"nlac": rows}, {}, None, (("collect/success_rate", "train", 4),)).splitlines()
     assert row.split("|")[3].strip() == "0.562 ± 0.062"  # seed 0: (0.5 + 0.25 + 0.75 + 1) / 4 = 0.625; seed 1: 0.5
+    # a slice window averages those rows: the first 2 -> seed 0: (0 + 0.5) / 2 = 0.25; seed 1: 0.5
+    head, _, row = results_table({"nlac": rows}, {}, None, (("collect/success_rate", "t", slice(0, 2)),)).splitlines()
+    assert row.split("|")[3].strip() == "0.375 ± 0.125"
+    # a per-group rate is weighted by its episodes: (1 * 0 + 3 * 1 + 0 * 0.5) / 4 = 0.75, not the rows' mean 0.5
+    grp = {0: [{"collect/success/g": 0.0, "collect/episodes/g": 1}, {"collect/success/g": 1.0, "collect/episodes/g": 3},
+               {"collect/success/g": 0.5, "collect/episodes/g": 0}]}
+    head, _, row = results_table({"nlac": grp}, {}, None, (("collect/success/g", "g", 3),)).splitlines()
+    assert row.split("|")[3].strip() == "0.750"
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
