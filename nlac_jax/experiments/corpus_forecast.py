@@ -405,6 +405,78 @@ def waste_probe(sampler, prompts: PromptSet, n: int, waste_every: int, corpus_wa
                 p[g] for g in guesses if not corpus_wasted(g))}
 
 
+def endgame_states(n: int, max_turns: Optional[int], waste_every: int = 0,
+                   wasted_numbers: Sequence[int] = ()) -> list[tuple[int, list]]:
+    """(g, state) for every number g the RL game's waste rule wastes and a bisection can corner: the state an
+    ideal player reaches on target g by bisecting with the numbers the rule spares (the spared number nearest the
+    middle of the possible range, the lower on a tie) until the range is g alone, with guesses left. There, g is
+    the only number still possible and guessing it wins, though the rule wastes it everywhere else: the states a
+    policy that learned "never guess a wasted number" loses. Targets the bisection cannot corner (the range keeps
+    two wasted numbers, or the turns run out) are left out. Deterministic; the transcript is the runner's."""
+    out = []
+    for g in range(1, n + 1):
+        env = _env(n, max_turns, waste_every, wasted_numbers)
+        if not env.wasted(g):
+            continue
+        state = env.reset(Task(id=f"endgame-{g}", split="probe", payload={"target": g, "n": n}))
+        while env.lo < env.hi and not env.done:
+            spared = [x for x in range(env.lo, env.hi + 1) if not env.wasted(x)]
+            if not spared:
+                break
+            mid = (env.lo + env.hi) / 2
+            guess = min(spared, key=lambda x: (abs(x - mid), x))
+            r = env.step(str(guess))
+            state = state + [{"role": "assistant", "content": str(guess)}, {"role": "user", "content": r.observation}]
+        if not env.done and env.lo == env.hi == g:
+            out.append((g, state))
+    return out
+
+
+def endgame_probe(sampler, prompts: PromptSet, n: int, waste_every: int = 0, wasted_numbers: Sequence[int] = (),
+                  max_turns: Optional[int] = None, policy_samples: int = 8, params: str = "policy") -> dict:
+    """Where "never guess a wasted number" is wrong: at each :func:`endgame_states` state (the range is one
+    number, which the rule wastes elsewhere; guessing it wins), what each role does with that number.
+
+    Returns endgame/states (how many), and means over them of
+      endgame/p_wasted: the successor's scored P(reply "no answer") for guessing it (:func:`waste_probabilities`;
+        right: 0);
+      endgame/p_success: its scored P(success) (``critic_scores.success_probabilities``; right: 1);
+      endgame/verdict_optimal: the evaluator, reading the successor's greedy forecast, judges it optimal (right: 1);
+      endgame/policy_greedy: the policy's greedy guess is it;
+      endgame/policy_sampled: the fraction of ``policy_samples`` guesses at the sampler's own settings (the acting
+        policy's) that are it.
+    A critic that knows the exception and a policy that learned only "avoid wasted numbers" read low p_wasted, high
+    verdict_optimal and low policy_*: the policy side loses it. Empty (states 0, NaN means) when no state exists."""
+    from nlac_jax.nlac.critic_scores import success_probabilities
+    from nlac_jax.nlac.verdict import parse_verdict
+    items = endgame_states(n, max_turns, waste_every, wasted_numbers)
+    out = {"endgame/states": len(items)}
+    keys = ("p_wasted", "p_success", "verdict_optimal", "policy_greedy", "policy_sampled")
+    if not items:
+        return {**out, **{f"endgame/{k}": math.nan for k in keys}}
+    states, acts = [s for _, s in items], [str(g) for g, _ in items]
+    p_w = [waste_probabilities(sampler, prompts, s, [g], params)[g] for g, s in items]
+    p_s = success_probabilities(sampler, prompts, list(zip(states, acts)), params)
+    greedy = greedy_settings(sampler, ("successor", "evaluator", "policy"))
+    futures = [c.text for c in check_samples(sampler.sample([prompts.successor(s, a) for s, a in zip(states, acts)],
+                                                            params, "successor", settings=greedy), len(items),
+                                             "successor")]
+    crit = [c.text for c in check_samples(sampler.sample([prompts.evaluator(s, a, [f]) for s, a, f in
+                                                          zip(states, acts, futures)], params, "evaluator",
+                                                         settings=greedy), len(items), "evaluator")]
+    pol = [prompts.policy(s) for s in states]
+    g_out = check_samples(sampler.sample(pol, params, "policy", settings=greedy), len(items), "policy")
+    s_out = check_samples(sampler.sample(pol, params, "policy", n=policy_samples), len(items) * policy_samples,
+                          "policy")
+    out.update({
+        "endgame/p_wasted": float(np.mean(p_w)), "endgame/p_success": float(np.mean(p_s)),
+        "endgame/verdict_optimal": float(np.mean([parse_verdict(c) is True for c in crit])),
+        "endgame/policy_greedy": float(np.mean([parse_guess(c.text) == int(a) for c, a in zip(g_out, acts)])),
+        "endgame/policy_sampled": float(np.mean([parse_guess(c.text) == int(a) for grp, a in
+                                                 zip(group(s_out, policy_samples), acts) for c in grp]))})
+    return out
+
+
 WASTE_RULES = {"odd": lambda g: g % 2 == 1, "even": lambda g: g % 2 == 0, "mult3": lambda g: g % 3 == 0}
 
 

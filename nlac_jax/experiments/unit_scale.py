@@ -167,8 +167,9 @@ def warmup_policy_pool(xcfg, seed: int, examples: list | None = None) -> list:
 
 def probe(run, xcfg) -> dict:
     """The learned-critic experiment's knowledge probe (`corpus_forecast.waste_probe`: what the successor knows of
-    the waste rule) and skill probe (`corpus_forecast.skill_probe`: whether the backup, evaluator and refiner copy
-    and read what they must); for the 20 Questions corpus `corpus_twenty_questions_forecast.refusal_probe` and its
+    the waste rule), skill probe (`corpus_forecast.skill_probe`: whether the backup, evaluator and refiner copy
+    and read what they must) and endgame probe (`corpus_forecast.endgame_probe`: what each role does where the rule
+    is wrong, the only possible number being one it wastes); for the 20 Questions corpus `corpus_twenty_questions_forecast.refusal_probe` and its
     `skill_probe` (the same metric names); {} for other corpora."""
     if xcfg.corpus == "twenty_questions_forecast":
         return probe_twenty_questions(run)
@@ -181,6 +182,8 @@ def probe(run, xcfg) -> dict:
                                       corpus_wasted_numbers=b.get("corpus_wasted_numbers", ()))
     p_out = float(b.get("p_out_of_range", 0.0))
     out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
+    out.update(corpus_forecast.endgame_probe(run.roles, run.prompts, xcfg.n, env.waste_every,
+                                             sorted(env.wasted_numbers)))
     return out
 
 
@@ -274,6 +277,10 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("eval/calib/return_mae", "calibration MAE"),
               ("probe/p_gap_rl", "P(wasted) gap, RL rule (+1 knows it)"),
               ("probe/p_gap_corpus", "P(wasted) gap, corpus rule"),
+              # where "never guess a wasted number" is wrong (corpus_forecast.endgame_probe)
+              ("endgame/p_wasted", "endgame: P(wasted) of the only possible guess"),
+              ("endgame/verdict_optimal", "endgame: judged optimal"),
+              ("endgame/policy_sampled", "endgame: policy plays it"),
               ("skill/backup_reply", "backup copies the real reply"),
               ("skill/evaluator_guess", "critique names the guess"),
               ("eval/actions/wasted", "wasted guesses"), ("eval/actions/outside", "guesses outside the range"),
@@ -292,7 +299,8 @@ def table_keys(corpus: str) -> tuple:
     = the last n, a slice = those rows; without it, the last row."""
     if corpus != "twenty_questions_forecast":
         return TABLE_KEYS
-    return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n), *rest) for k, n, *rest in TABLE_KEYS) + (
+    return tuple((k, _TWENTY_QUESTIONS_LABELS.get(k, n), *rest) for k, n, *rest in TABLE_KEYS
+                 if not k.startswith("endgame/")) + (
         ("eval/actions/uninformative", "questions every possible object answers alike"),)
 
 

@@ -387,3 +387,77 @@ def test_learnability_examples_follow_the_rule_and_the_batch_share():
     assert len(mix) == 3 * L.BATCH
     for b in range(3):
         assert [e.role for e in mix[b * L.BATCH:(b + 1) * L.BATCH]] == ["successor"] * 4 + ["policy"] * 12
+
+
+def test_endgame_states_by_hand():
+    """1..12, odd numbers wasted, 4 turns: bisecting with the even numbers corners every odd target. By hand:
+    1: 6 lower, 2 lower -> [1, 1]; 3: 6 lower, 2 higher, 4 lower; 5: 6 lower, 2 higher, 4 higher; 7: 6 higher,
+    10 lower (the spared number nearest 9.5), 8 lower; 9: 6 higher, 10 lower, 8 higher; 11: 6 higher, 10 higher,
+    12 lower. With 3 turns only target 1 keeps a guess. With the multiples of 3 wasted: 3: 7 lower, 4 lower,
+    2 higher; 6: 7 lower, 4 higher, 5 higher; 9: 7 higher, 10 lower, 8 higher; 12: 7 higher, 10 higher, 11 higher."""
+    odds = tuple(range(1, 13, 2))
+    got = F.endgame_states(12, None, wasted_numbers=odds)
+    assert [g for g, _ in got] == [1, 3, 5, 7, 9, 11]
+    guesses = {g: [m["content"] for m in s if m["role"] == "assistant"] for g, s in got}
+    replies = {g: [m["content"] for m in s if m["role"] == "user"][1:] for g, s in got}
+    assert guesses == {1: ["6", "2"], 3: ["6", "2", "4"], 5: ["6", "2", "4"], 7: ["6", "10", "8"],
+                       9: ["6", "10", "8"], 11: ["6", "10", "12"]}
+    assert replies[1] == ["lower", "lower"] and replies[9] == ["higher", "lower", "higher"]
+    assert [g for g, _ in F.endgame_states(12, 3, wasted_numbers=odds)] == [1]
+    assert F.endgame_states(12, None) == []  # a game that wastes nothing has no such state
+    mult3 = F.endgame_states(12, None, waste_every=3)
+    assert {g: [m["content"] for m in s if m["role"] == "assistant"] for g, s in mult3} == {
+        3: ["7", "4", "2"], 6: ["7", "4", "5"], 9: ["7", "10", "8"], 12: ["7", "10", "11"]}
+    # and the policy reads the cornered range from the public transcript alone
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+    assert all(f"Possible now: {g} to {g}, 1 guesses left." in ps.policy(s)[-1]["content"] for g, s in mult3)
+
+
+def test_endgame_probe_by_hand():
+    """The six endgame states of 1..12 (odds wasted) and scripted roles: a successor that knows the exception for
+    1, 3, 5 (forecast "correct"; scored P(wasted) 0.1, P(success) 0.75) and not for 7, 9, 11 ("no answer"; 0.8,
+    0.2); an evaluator whose verdict follows the forecast; a policy whose greedy guess is the only possible number
+    for 1 and 3, and whose 8 samples play it 8 times for 1, once for 3, never otherwise. By hand: p_wasted
+    (3 x 0.1 + 3 x 0.8) / 6 = 0.45, p_success (3 x 0.75 + 3 x 0.2) / 6 = 0.475, verdict_optimal 3/6,
+    policy_greedy 2/6, policy_sampled (8/8 + 1/8) / 6 = 0.1875."""
+    import re
+    from nlac_jax.rl.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+
+    def only(messages):
+        return int(re.search(r"Possible now: (\d+) to \1,", messages[-1]["content"]).group(1))
+
+    def successor(messages, j):
+        return ("Outcome: success; Return: 1\nReply: correct." if only(messages) <= 5
+                else "Outcome: failure; Return: 0\nReply: no answer.")
+
+    def evaluator(messages, j):
+        return "Verdict: suboptimal" if "no answer" in messages[-1]["content"] else "Verdict: optimal"
+
+    def policy(messages, j):
+        g = only(messages)
+        return str(g) if j < {1: 8, 3: 1}.get(g, 0) else str(g + 1)
+
+    def scores(messages, continuation, served):
+        knows = only(messages) <= 5
+        if continuation in ("Outcome: success", "Outcome: failure"):
+            return math.log((0.75 if knows else 0.2) if continuation.endswith("success") else
+                            (0.25 if knows else 0.8))
+        a, b = (0.05, 0.1125) if knows else (0.4, 0.025)  # P(wasted) = 2a / (2a + 8b): 0.1 or 0.8
+        return math.log(a if continuation.endswith("\nReply: no answer.") else b)
+    sampler = ScriptedRoleSampler({"successor": successor, "evaluator": evaluator, "policy": policy}, scores=scores)
+    got = F.endgame_probe(sampler, ps, 12, wasted_numbers=tuple(range(1, 13, 2)))
+    assert got == pytest.approx({"endgame/states": 6, "endgame/p_wasted": 0.45, "endgame/p_success": 0.475,
+                                 "endgame/verdict_optimal": 0.5, "endgame/policy_greedy": 2 / 6,
+                                 "endgame/policy_sampled": 0.1875})
+    # the critic and the greedy policy decode at temperature 0; the acting policy's samples at the sampler's settings
+    by_role = {}
+    for c in sampler.calls:
+        by_role.setdefault(c.role, []).append(c)
+    assert [c.settings.temperature("successor") for c in by_role["successor"]] == [0.0]
+    assert by_role["evaluator"][0].settings.temperature("evaluator") == 0.0
+    greedy, acting = by_role["policy"]
+    assert greedy.settings.temperature("policy") == 0.0 and acting.settings is sampler.settings
+    # no state: NaN means, nothing sampled
+    empty = F.endgame_probe(ScriptedRoleSampler({}), ps, 12)
+    assert empty["endgame/states"] == 0 and math.isnan(empty["endgame/policy_sampled"])

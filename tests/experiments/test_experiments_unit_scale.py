@@ -246,6 +246,12 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
         rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_1", "metrics.jsonl"))]
         assert all("probe/knowledge_accuracy" in r and "probe/p_gap_rl" in r and "skill/evaluator_guess" in r
                    for r in rows if "eval/success_rate" in r), rows
+        # the endgame probe: every odd number of 1..8 (the smoke game) is cornered by the even bisection
+        # (endgame_states), and its readings are fractions
+        assert all(r["endgame/states"] == len(range(1, 9, 2)) and
+                   all(0.0 <= r[f"endgame/{k}"] <= 1.0 for k in ("p_wasted", "p_success", "verdict_optimal",
+                                                                  "policy_greedy", "policy_sampled"))
+                   for r in rows if "eval/success_rate" in r), rows
         # the held-out action breakdown (evaluation.action_breakdown): fractions of every action, summing to 1
         assert all(abs(sum(r[f"eval/actions/{c}"] for c in GuessNumberEnv.ACTION_CATEGORIES) - 1) < 1e-9
                    for r in rows if "eval/success_rate" in r), rows
@@ -262,6 +268,7 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
                 assert abs(sum(n[g] * r[f"{phase}/success/{g}"] for g in n) / sum(n.values())
                            - r[f"{phase}/success_rate"]) < 1e-9, r
     assert "| wasted guesses |" in table and "| held-out success, targets the rule wastes |" in table
+    assert "| endgame: policy plays it |" in table
 
 
 @pytest.mark.slow
