@@ -17,7 +17,9 @@ The two halves are separate methods (`critic_examples_for`, `policy_examples_for
   start), θ̄ calls served by its own EMA; L1 examples train only it, L2 examples only the run's state
   (`nlac_split_critic`: the loop asks the learner's `train_plan` which state trains on what);
 * `MonteCarloNLAC`: L1's targets are summaries of the real futures in the buffer, not Bellman backups;
-* `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation).
+* `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation);
+* `surprise_share > 0`: part of L1's transitions are drawn by the critic's surprise at how they ended
+  (`surprise_batch`: prioritised replay of terminal transitions; the `nlac_surprise_replay` arm).
 
 `LoopConfig.critic_warmup_iterations` = K: in iterations 1..K every example slot goes to L1 (`_counts`), so the
 policy starts learning from a critic that has learned from real transitions; a variant without a critic to warm up
@@ -31,8 +33,11 @@ import dataclasses
 import functools
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from nlac_jax import training
 from nlac_jax.nlac import targets
+from nlac_jax.nlac.critic_scores import success_probabilities
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.rl.transitions import transitions_from_episode
 from nlac_jax.training.batching import KIND_CRITIC
@@ -89,6 +94,44 @@ def buffer_batch(run: Any, n: int, rng) -> list:
     return run.buffer.sample_blocks(min(n, size), block, rng)
 
 
+SURPRISE_FLOOR = 0.05  # every scored candidate keeps some chance: a critic right about it now may drift later
+
+
+def surprise_batch(run: Any, n: int, rng, share: float, pool: int, metrics: dict) -> list:
+    """Up to `n` buffer transitions for L1, `round(share * n)` of them drawn by the critic's surprise at how they
+    ended (prioritised replay; Schaul et al. 2016 rank transitions by TD error, this by the one error the critic's
+    language exposes without a backup): `pool` times as many terminal transitions whose outcome the environment
+    reported are drawn uniformly, each is scored once by the current critic (P(success | s_t, a_t) under θ,
+    `critic_scores.success_probabilities`: one score call), and the surprise
+
+        u = |1[success] - P(success | s_t, a_t)|     (NaN score: u = 1)
+
+    weights a draw without replacement (probability ∝ u + SURPRISE_FLOOR). The rest are uniform (`buffer_batch`).
+    Terminal transitions carry no bootstrap: their targets are exact, so learning them more often teaches the critic
+    what really happened where it was most wrong (e.g. a guess its rule calls wasted that won). No importance
+    weights: the drawn examples weigh as uniform ones (the bias towards surprising transitions is the intent).
+    Metrics: nlac/surprise/{pool,drawn,mean_pool,mean_drawn,success_drawn}."""
+    n_s = int(round(share * n)) if n else 0
+    if not n_s or not len(run.buffer):
+        return buffer_batch(run, n, rng)
+    terminal = [i for i, t in enumerate(run.buffer) if t.done and t.success is not None]
+    cand = rng.choice(len(terminal), size=min(len(terminal), pool * n_s), replace=False) if terminal else []
+    items = [run.buffer[terminal[int(j)]] for j in cand]
+    metrics["nlac/surprise/pool"] = len(items)
+    if not items:
+        return buffer_batch(run, n, rng)
+    p = success_probabilities(run.roles, run.prompts, [(t.state, t.action) for t in items])
+    u = np.where(np.isfinite(p), np.abs(np.array([float(t.success) for t in items]) - p), 1.0)
+    k = min(n_s, len(items))
+    w = u + SURPRISE_FLOOR
+    drawn = rng.choice(len(items), size=k, replace=False, p=w / w.sum())
+    metrics["nlac/surprise/drawn"] = k
+    metrics["nlac/surprise/mean_pool"] = float(u.mean())
+    metrics["nlac/surprise/mean_drawn"] = float(u[drawn].mean())
+    metrics["nlac/surprise/success_drawn"] = float(np.mean([bool(items[int(j)].success) for j in drawn]))
+    return [items[int(j)] for j in drawn] + buffer_batch(run, n - k, rng)
+
+
 @dataclasses.dataclass
 class NLAC:
     """The NLAC learner: replay buffer → Bellman targets (θ̄) + critique-and-refine targets (θ).
@@ -96,6 +139,8 @@ class NLAC:
     critic_examples / policy_examples: transitions sampled from the buffer per iteration for each loss
     (None: the run's LoopConfig values). target_cfg: None = the run's TargetConfig.
     frozen_roles: roles served by the frozen parameter set (`freeze` takes it); () = none.
+    surprise_share / surprise_pool: the share of L1 transitions drawn by the critic's surprise at how they ended
+    (`surprise_batch`; 0 = all uniform, as before) and how many terminal candidates are scored per such draw.
     """
 
     critic_examples: int | None = None
@@ -105,6 +150,8 @@ class NLAC:
     frozen_roles: tuple = ()
     frozen_params: Any = dataclasses.field(default=None, repr=False)
     critic_warmup: bool = True  # obey LoopConfig.critic_warmup_iterations (False: a learner with no critic)
+    surprise_share: float = 0.0
+    surprise_pool: int = 4
 
     def freeze(self, run: Any) -> "NLAC":
         """Keep a copy of the run's current θ (at the arm's start: the warm start) to serve `frozen_roles`."""
@@ -133,8 +180,10 @@ class NLAC:
         return n_c, n_p
 
     def critic_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
-        """L1: `n` buffer transitions -> language Bellman backups (targets.build_critic_examples)."""
-        batch = buffer_batch(run, n, rng)
+        """L1: `n` buffer transitions -> language Bellman backups (targets.build_critic_examples); with
+        `surprise_share`, part of them drawn by the critic's surprise (`surprise_batch`)."""
+        batch = (surprise_batch(run, n, rng, self.surprise_share, self.surprise_pool, metrics)
+                 if self.surprise_share > 0 else buffer_batch(run, n, rng))
         return targets.build_critic_examples(batch, run.roles, cfg, run.prompts, stats)
 
     def policy_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:

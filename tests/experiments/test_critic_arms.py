@@ -3,6 +3,7 @@ targets, the scoring path (log-probs of given continuations, checked against the
 P(success) / AUC / Brier (checked against a brute-force pair count and by hand)."""
 
 import itertools
+import json
 import math
 import types
 
@@ -686,3 +687,48 @@ def test_split_critic_sends_each_example_to_the_state_that_serves_its_role():
         ("C", [0, "evaluator"], 2), ("M", [1, "backup", "refiner", "policy"], 4)]
     only_policy = learner.train_plan(run, _examples((1, 1)))
     assert [(h, len(p), s) for h, p, s in only_policy] == [("M", 2, 6)]
+
+
+def test_surprise_replay_draws_terminal_transitions_by_the_critics_surprise():
+    """algorithm.surprise_batch by hand. Buffer: three episodes of the 1..8 game, each ending in a terminal
+    transition: A wins with its first guess (the critic's P(success) 0.9: surprise 0.1), B wins with its second
+    (score NaN: surprise 1), C fails after four guesses (P(success) 0.6: surprise 0.6). Weights u + 0.05 = 0.15,
+    1.05, 0.65 (sum 1.85): one surprise draw picks A, B, C with probabilities 0.081, 0.568, 0.351; the rest of the
+    batch is uniform. Drawing more than the terminal candidates takes them all."""
+
+    def scores(messages, continuation, served):
+        history = messages[-1]["content"].split("History: ", 1)[1].split(".", 1)[0]
+        p = {"none": 0.9, "4 higher": math.nan, "1 higher, 2 higher, 3 higher": 0.6}[history]
+        return math.log(p if continuation == "Outcome: success" else 1 - p) if p == p else math.nan
+    roles = ScriptedRoleSampler({}, scores=scores)
+    run = _fake_run(roles)
+    run.prompts = PromptSet(task="toy", prompt_set="toy_forecast")
+    eps = {name: _toy_episode(t, g)[1] for name, t, g in (("A", 4, [4]), ("B", 6, [4, 6]), ("C", 7, [1, 2, 3, 4]))}
+    assert [len(v) for v in eps.values()] == [1, 2, 4] and not eps["C"][-1].success
+    for trs in eps.values():
+        run.buffer.add(trs)
+    last = {k: (json.dumps(trs[-1].state), trs[-1].action) for k, trs in eps.items()}
+    which = lambda t: [k for k, v in last.items() if v == (json.dumps(t.state), t.action)]  # noqa: E731
+    counts = {"A": 0, "B": 0, "C": 0}
+    trials = 2000
+    for seed in range(trials):
+        m = {}
+        got = algorithm.surprise_batch(run, 2, np.random.default_rng(seed), share=0.5, pool=4, metrics=m)
+        assert len(got) == 2 and len(which(got[0])) == 1
+        counts[which(got[0])[0]] += 1
+    assert m == pytest.approx({"nlac/surprise/pool": 3, "nlac/surprise/drawn": 1,
+                               "nlac/surprise/mean_pool": (0.1 + 1.0 + 0.6) / 3,
+                               "nlac/surprise/mean_drawn": m["nlac/surprise/mean_drawn"],
+                               "nlac/surprise/success_drawn": m["nlac/surprise/success_drawn"]})
+    for k, p in (("A", 0.15 / 1.85), ("B", 1.05 / 1.85), ("C", 0.65 / 1.85)):
+        assert abs(counts[k] / trials - p) < 0.035, counts  # 3.5 sigma at most 0.011 each
+    # more surprise draws than candidates: all three terminals, then uniform transitions
+    got = algorithm.surprise_batch(run, 8, np.random.default_rng(0), share=1.0, pool=4, metrics={})
+    assert len(got) == 8 and sorted(which(t)[0] for t in got[:3]) == ["A", "B", "C"]
+    # share 0: exactly the uniform draw
+    a = algorithm.surprise_batch(run, 3, np.random.default_rng(5), share=0.0, pool=4, metrics={})
+    assert [t.action for t in a] == [t.action for t in algorithm.buffer_batch(run, 3, np.random.default_rng(5))]
+    # the arm: half of L1 by surprise, its metrics reported; NLAC's default draws none
+    learner = arms.make_learner("nlac_surprise_replay", run)
+    assert (learner.surprise_share, learner.surprise_pool) == (0.5, 4) and arms.make_learner("nlac", run).surprise_share == 0
+    assert "nlac_surprise_replay" in arms.ARMS

@@ -269,6 +269,9 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
                            - r[f"{phase}/success_rate"]) < 1e-9, r
     assert "| wasted guesses |" in table and "| held-out success, targets the rule wastes |" in table
     assert "| endgame: policy plays it |" in table
+    # the surprise replay drew part of L1 by the critic's scores (algorithm.surprise_batch)
+    rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", "nlac_surprise_replay", "seed_0", "metrics.jsonl"))]
+    assert any(r.get("nlac/surprise/drawn", 0) > 0 and 0 <= r["nlac/surprise/mean_pool"] <= 1 for r in rows), rows
 
 
 @pytest.mark.slow
