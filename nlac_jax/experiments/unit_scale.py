@@ -373,7 +373,8 @@ def _curves(ax, results: dict, key: str, title: str) -> None:
 
 def plot_results(results: dict, workdir: str) -> tuple[str, str]:
     """learning_curves.png (held-out success, also per kind of target where the env has groups; train success;
-    held-out return) and critic_curves.png."""
+    held-out return) and critic_curves.png (their paths are returned); endgame_curves.png too where the rows hold
+    the endgame probe (`corpus_forecast.endgame_probe`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -394,7 +395,15 @@ def plot_results(results: dict, workdir: str) -> tuple[str, str]:
                                ("eval/verdict/accuracy", "verdict accuracy vs the env's optimal actions"),
                                ("eval/verdict/predicted_optimal", "fraction judged optimal"),
                                ("eval/verdict/truly_optimal", "fraction truly optimal"))),
+        ("endgame_curves.png", (("endgame/p_wasted", "endgame: critic's P(wasted) of the only possible guess"),
+                                ("endgame/p_success", "endgame: critic's P(success) of it"),
+                                ("endgame/verdict_optimal", "endgame: the evaluator judges it optimal"),
+                                ("endgame/policy_sampled", "endgame: the policy plays it (T = 1)"),
+                                ("probe/p_gap_rl", "opening: P(wasted) gap, RL rule"))),
     ):
+        if name == "endgame_curves.png" and not any("endgame/states" in r for per_seed in results.values()
+                                                     for rows in per_seed.values() for r in rows):
+            continue
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
         for ax, (key, title) in zip(axes, panels):
             _curves(ax, results, key, title)
