@@ -67,6 +67,9 @@ __all__ = [
     "reference_success_rates",
     "waste_probe",
     "waste_probabilities",
+    "pair_waste_probabilities",
+    "endgame_states",
+    "endgame_probe",
     "named_guess",
     "skill_probe",
     "WASTE_RULES",
@@ -438,8 +441,8 @@ def endgame_probe(sampler, prompts: PromptSet, n: int, waste_every: int = 0, was
     number, which the rule wastes elsewhere; guessing it wins), what each role does with that number.
 
     Returns endgame/states (how many), and means over them of
-      endgame/p_wasted: the successor's scored P(reply "no answer") for guessing it (:func:`waste_probabilities`;
-        right: 0);
+      endgame/p_wasted: the successor's scored P(reply "no answer") for guessing it
+        (:func:`pair_waste_probabilities`; right: 0);
       endgame/p_success: its scored P(success) (``critic_scores.success_probabilities``; right: 1);
       endgame/verdict_optimal: the evaluator, reading the successor's greedy forecast, judges it optimal (right: 1);
       endgame/policy_greedy: the policy's greedy guess is it;
@@ -455,7 +458,7 @@ def endgame_probe(sampler, prompts: PromptSet, n: int, waste_every: int = 0, was
     if not items:
         return {**out, **{f"endgame/{k}": math.nan for k in keys}}
     states, acts = [s for _, s in items], [str(g) for g, _ in items]
-    p_w = [waste_probabilities(sampler, prompts, s, [g], params)[g] for g, s in items]
+    p_w = pair_waste_probabilities(sampler, prompts, [(s, g) for g, s in items], params)
     p_s = success_probabilities(sampler, prompts, list(zip(states, acts)), params)
     greedy = greedy_settings(sampler, ("successor", "evaluator", "policy"))
     futures = [c.text for c in check_samples(sampler.sample([prompts.successor(s, a) for s, a in zip(states, acts)],
@@ -549,16 +552,25 @@ PROBE_OUTCOMES = ((True, 1.0), (False, 0.0))  # the toy game's returns: 1 for a 
 
 def waste_probabilities(sampler, prompts: PromptSet, state: list, guesses: Sequence[int],
                         params: str = "policy") -> dict:
-    """P(the successor's forecast for guess g at ``state`` replies "no answer") per g, read from the model's
-    distribution instead of samples: the forecast's first two lines "Outcome: <o>; Return: <r>" / "Reply: <w>." are
-    scored for both outcomes and every reply word (one ``sampler.score`` call), and
+    """P(the successor's forecast for guess g at ``state`` replies "no answer") per g (:func:`pair_waste_probabilities`
+    for one state and several guesses); {g: probability}."""
+    return dict(zip(guesses, pair_waste_probabilities(sampler, prompts, [(state, g) for g in guesses], params)))
 
-        P(wasted | g) = sum_o pi(o, "no answer") / sum_(o, w) pi(o, w)
+
+def pair_waste_probabilities(sampler, prompts: PromptSet, pairs: Sequence[tuple[list, int]],
+                             params: str = "policy") -> list[float]:
+    """P(the successor's forecast for guess g at state s replies "no answer") per (s, g) pair, read from the model's
+    distribution instead of samples: the forecast's first two lines "Outcome: <o>; Return: <r>" / "Reply: <w>." are
+    scored for both outcomes and every reply word (one ``sampler.score`` call for all pairs), and
+
+        P(wasted | s, g) = sum_o pi(o, "no answer") / sum_(o, w) pi(o, w)
 
     (normalised over those continuations; they tokenize as prefixes of the trained targets). NaN where a score is
     not finite (e.g. a scripted sampler without scores)."""
     conts = [outcome_line(o, r) + f"\nReply: {w}." for o, r in PROBE_OUTCOMES for w in PROBE_REPLIES]
-    msgs = [prompts.successor(state, str(g)) for g in guesses]
+    msgs = [prompts.successor(s, str(g)) for s, g in pairs]
+    if not msgs:
+        return []
     lp = np.asarray(sampler.score([m for m in msgs for _ in conts], conts * len(msgs), params, "successor"),
                     np.float64).reshape(len(msgs), len(conts))
     wasted = np.asarray([w == WASTED_REPLY for _ in PROBE_OUTCOMES for w in PROBE_REPLIES])
@@ -566,7 +578,7 @@ def waste_probabilities(sampler, prompts: PromptSet, state: list, guesses: Seque
         top = lp.max(axis=1, keepdims=True)
         e = np.exp(lp - top)
         p = e[:, wasted].sum(1) / e.sum(1)
-    return {g: float(v) if np.all(np.isfinite(row)) else math.nan for g, v, row in zip(guesses, p, lp)}
+    return [float(v) if np.all(np.isfinite(row)) else math.nan for v, row in zip(p, lp)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -450,6 +450,8 @@ def test_endgame_probe_by_hand():
     assert got == pytest.approx({"endgame/states": 6, "endgame/p_wasted": 0.45, "endgame/p_success": 0.475,
                                  "endgame/verdict_optimal": 0.5, "endgame/policy_greedy": 2 / 6,
                                  "endgame/policy_sampled": 0.1875})
+    # two score calls for all six states (P(wasted): 6 x 10 continuations; P(success): 6 x 2)
+    assert [len(c.messages_batch) for c in sampler.score_calls] == [60, 12]
     # the critic and the greedy policy decode at temperature 0; the acting policy's samples at the sampler's settings
     by_role = {}
     for c in sampler.calls:
