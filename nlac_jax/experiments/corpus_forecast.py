@@ -47,10 +47,11 @@ from nlac_jax.experiments import warm_start
 from nlac_jax.experiments.corpus import (CorpusExample, backup_example, consistent_interval, greedy_settings,
                                          play_episode, prefixed_chooser, terminal_summary)
 from nlac_jax.nlac import evaluation
+from nlac_jax.nlac.critic_scores import success_probabilities
 from nlac_jax.nlac.model_roles import ModelRoleSampler
 from nlac_jax.nlac.prompts import PromptSet
 from nlac_jax.nlac.targets import TargetConfig, truncate_summary
-from nlac_jax.nlac.verdict import outcome_line
+from nlac_jax.nlac.verdict import outcome_line, parse_verdict
 from nlac_jax.rl.roles import RoleSampling, check_samples, group
 
 __all__ = [
@@ -450,8 +451,6 @@ def endgame_probe(sampler, prompts: PromptSet, n: int, waste_every: int = 0, was
         policy's) that are it.
     A critic that knows the exception and a policy that learned only "avoid wasted numbers" read low p_wasted, high
     verdict_optimal and low policy_*: the policy side loses it. Empty (states 0, NaN means) when no state exists."""
-    from nlac_jax.nlac.critic_scores import success_probabilities
-    from nlac_jax.nlac.verdict import parse_verdict
     items = endgame_states(n, max_turns, waste_every, wasted_numbers)
     out = {"endgame/states": len(items)}
     keys = ("p_wasted", "p_success", "verdict_optimal", "policy_greedy", "policy_sampled")
