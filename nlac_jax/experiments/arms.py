@@ -31,6 +31,9 @@ nlac_split_critic_  as nlac_split_critic, but each state runs LoopConfig.train_s
 each                updates per state of the shared-θ arm, twice its optimiser steps (not an equal budget)
 nlac_surprise_      as nlac, but half of L1's transitions are drawn by the critic's surprise at how they ended:
 replay              terminal ones, 4 scored candidates per draw (`algorithm.surprise_batch`: prioritised replay)
+nlac_surprise_      as nlac_surprise_replay, and half of L2's states are drawn the same way, the buffer's action
+policy              at each critiqued and refined (`NLAC.policy_surprise_share`): a surprising win the critic now
+                    approves is distilled
 ==================  ==========================================================================================
 
 Equal budgets. Episodes: every arm's `take_tasks` plays `LoopConfig.episodes_per_iteration` episodes per
@@ -78,7 +81,7 @@ __all__ = ["ARMS", "CRITIC_ROLES", "FUTURE_RENDERERS", "SFTExample", "RFT", "GRP
 # the order gives each arm its colour in every figure (unit_scale._curves): new arms go at the end
 ARMS = ("warm_start", "nlac", "nlac_no_critique", "nlac_frozen_critic", "rft", "grpo", "nlac_no_l1",
         "nlac_mc_critic", "self_distillation", "nlql", "nlac_split_critic", "nlac_split_critic_each",
-        "nlac_surprise_replay")
+        "nlac_surprise_replay", "nlac_surprise_policy")
 
 # the roles the frozen critic serves from the warm start, and the split critic from its own state
 CRITIC_ROLES = ("successor", "evaluator")
@@ -407,6 +410,8 @@ def make_learner(arm: str, run: Any, group_size: int = 4, future_summary=None):
         return SplitCriticNLAC(critic_roles=CRITIC_ROLES, steps_each=arm.endswith("_each"), name=arm).split(run)
     if arm == "nlac_surprise_replay":  # half of L1 by surprise, 4 candidates each: fixed before any run
         return NLAC(surprise_share=0.5, surprise_pool=4, name=arm)
+    if arm == "nlac_surprise_policy":  # and half of L2 the same way, buffer actions: fixed before any run
+        return NLAC(surprise_share=0.5, surprise_pool=4, policy_surprise_share=0.5, name=arm)
     if arm == "nlac_no_l1":
         return NLAC(critic_examples=0, name=arm)
     if arm in ("nlac_mc_critic", "self_distillation"):

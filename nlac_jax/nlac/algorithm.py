@@ -19,7 +19,8 @@ The two halves are separate methods (`critic_examples_for`, `policy_examples_for
 * `MonteCarloNLAC`: L1's targets are summaries of the real futures in the buffer, not Bellman backups;
 * `TargetConfig.ablate_critique`: the refiner sees an uninformative text (the "blind refiner" ablation);
 * `surprise_share > 0`: part of L1's transitions are drawn by the critic's surprise at how they ended
-  (`surprise_batch`: prioritised replay of terminal transitions; the `nlac_surprise_replay` arm).
+  (`surprise_batch`: prioritised replay of terminal transitions; the `nlac_surprise_replay` arm);
+  `policy_surprise_share > 0`: part of L2's states too, their buffer actions critiqued (`nlac_surprise_policy`).
 
 `LoopConfig.critic_warmup_iterations` = K: in iterations 1..K every example slot goes to L1 (`_counts`), so the
 policy starts learning from a critic that has learned from real transitions; a variant without a critic to warm up
@@ -97,39 +98,46 @@ def buffer_batch(run: Any, n: int, rng) -> list:
 SURPRISE_FLOOR = 0.05  # every scored candidate keeps some chance: a critic right about it now may drift later
 
 
-def surprise_batch(run: Any, n: int, rng, share: float, pool: int, metrics: dict) -> list:
-    """Up to `n` buffer transitions for L1, `round(share * n)` of them drawn by the critic's surprise at how they
-    ended (prioritised replay; Schaul et al. 2016 rank transitions by TD error, this by the one error the critic's
-    language exposes without a backup): `pool` times as many terminal transitions whose outcome the environment
-    reported are drawn uniformly, each is scored once by the current critic (P(success | s_t, a_t) under θ,
+def surprise_draw(run: Any, k: int, rng, pool: int, metrics: dict, prefix: str = "nlac/surprise/") -> list:
+    """Up to `k` terminal buffer transitions drawn by the critic's surprise at how they ended (prioritised replay;
+    Schaul et al. 2016 rank transitions by TD error, this by the one error the critic's language exposes without a
+    backup): `pool * k` transitions that ended with an environment-reported outcome are drawn uniformly
+    (`ReplayBuffer.terminal_indices`), each is scored once by the current critic (P(success | s_t, a_t) under θ,
     `critic_scores.success_probabilities`: one score call), and the surprise
 
         u = |1[success] - P(success | s_t, a_t)|     (NaN score: u = 1)
 
-    weights a draw without replacement (probability ∝ u + SURPRISE_FLOOR). The rest are uniform (`buffer_batch`).
-    Terminal transitions carry no bootstrap: their targets are exact, so learning them more often teaches the critic
-    what really happened where it was most wrong (e.g. a guess its rule calls wasted that won). No importance
-    weights: the drawn examples weigh as uniform ones (the bias towards surprising transitions is the intent).
-    Metrics: nlac/surprise/{pool,drawn,mean_pool,mean_drawn,success_drawn}."""
-    n_s = int(round(share * n)) if n else 0
-    if not n_s or not len(run.buffer):
-        return buffer_batch(run, n, rng)
-    terminal = [i for i, t in enumerate(run.buffer) if t.done and t.success is not None]
-    cand = rng.choice(len(terminal), size=min(len(terminal), pool * n_s), replace=False) if terminal else []
+    weights a draw without replacement (probability ∝ u + SURPRISE_FLOOR). [] when k is 0 or no transition has
+    ended. Metrics under `prefix`: pool, drawn, mean_pool, mean_drawn, success_drawn."""
+    terminal = run.buffer.terminal_indices() if k else []
+    metrics[prefix + "pool"] = min(len(terminal), pool * k)
+    if not terminal:
+        return []
+    cand = rng.choice(len(terminal), size=min(len(terminal), pool * k), replace=False)
     items = [run.buffer[terminal[int(j)]] for j in cand]
-    metrics["nlac/surprise/pool"] = len(items)
-    if not items:
-        return buffer_batch(run, n, rng)
     p = success_probabilities(run.roles, run.prompts, [(t.state, t.action) for t in items])
     u = np.where(np.isfinite(p), np.abs(np.array([float(t.success) for t in items]) - p), 1.0)
-    k = min(n_s, len(items))
+    k = min(k, len(items))
     w = u + SURPRISE_FLOOR
     drawn = rng.choice(len(items), size=k, replace=False, p=w / w.sum())
-    metrics["nlac/surprise/drawn"] = k
-    metrics["nlac/surprise/mean_pool"] = float(u.mean())
-    metrics["nlac/surprise/mean_drawn"] = float(u[drawn].mean())
-    metrics["nlac/surprise/success_drawn"] = float(np.mean([bool(items[int(j)].success) for j in drawn]))
-    return [items[int(j)] for j in drawn] + buffer_batch(run, n - k, rng)
+    metrics[prefix + "drawn"] = k
+    metrics[prefix + "mean_pool"] = float(u.mean())
+    metrics[prefix + "mean_drawn"] = float(u[drawn].mean())
+    metrics[prefix + "success_drawn"] = float(np.mean([bool(items[int(j)].success) for j in drawn]))
+    return [items[int(j)] for j in drawn]
+
+
+def surprise_batch(run: Any, n: int, rng, share: float, pool: int, metrics: dict) -> list:
+    """Up to `n` buffer transitions for L1, `round(share * n)` of them drawn by the critic's surprise at how they
+    ended (`surprise_draw`), the rest uniform (`buffer_batch`; it may draw a transition the surprise half drew too,
+    which then trains twice this iteration, as a draw with replacement would). Terminal transitions carry no
+    bootstrap: their targets are exact, so learning them more often teaches the critic what really happened where
+    it was most wrong (e.g. a guess its rule calls wasted that won). No importance weights: the drawn examples weigh
+    as uniform ones (the bias towards surprising transitions is the intent).
+    Metrics: nlac/surprise/{pool,drawn,mean_pool,mean_drawn,success_drawn}."""
+    n_s = int(round(share * n)) if n else 0
+    drawn = surprise_draw(run, n_s, rng, pool, metrics) if n_s and len(run.buffer) else []
+    return drawn + buffer_batch(run, n - len(drawn), rng)
 
 
 @dataclasses.dataclass
@@ -141,6 +149,10 @@ class NLAC:
     frozen_roles: roles served by the frozen parameter set (`freeze` takes it); () = none.
     surprise_share / surprise_pool: the share of L1 transitions drawn by the critic's surprise at how they ended
     (`surprise_batch`; 0 = all uniform, as before) and how many terminal candidates are scored per such draw.
+    policy_surprise_share: the share of L2 states drawn the same way (`surprise_draw`, `surprise_pool` candidates
+    each); at those states the buffer's action, the one whose outcome surprised the critic, is critiqued and refined
+    (`TargetConfig.use_buffer_action`) instead of a fresh one: a guess that won where the critic expected a loss is
+    distilled if the critic, having learned from it, now approves it. 0 = all uniform with fresh actions.
     """
 
     critic_examples: int | None = None
@@ -152,6 +164,7 @@ class NLAC:
     critic_warmup: bool = True  # obey LoopConfig.critic_warmup_iterations (False: a learner with no critic)
     surprise_share: float = 0.0
     surprise_pool: int = 4
+    policy_surprise_share: float = 0.0
 
     def freeze(self, run: Any) -> "NLAC":
         """Keep a copy of the run's current θ (at the arm's start: the warm start) to serve `frozen_roles`."""
@@ -187,9 +200,22 @@ class NLAC:
         return targets.build_critic_examples(batch, run.roles, cfg, run.prompts, stats)
 
     def policy_examples_for(self, run: Any, episodes: Sequence, rng, n: int, cfg, stats, metrics: dict) -> list:
-        """L2: `n` buffer states -> critique + refinement (targets.build_policy_examples)."""
-        batch = buffer_batch(run, n, rng)
-        return targets.build_policy_examples(batch, run.roles, cfg, run.prompts, stats)
+        """L2: `n` buffer states -> critique + refinement (targets.build_policy_examples); with
+        `policy_surprise_share`, part of them drawn by the critic's surprise, their buffer actions critiqued."""
+        n_s = int(round(self.policy_surprise_share * n)) if n else 0
+        drawn = surprise_draw(run, n_s, rng, self.surprise_pool, metrics, "nlac/surprise_policy/") if n_s else []
+        batch = buffer_batch(run, n - len(drawn), rng)
+        out = targets.build_policy_examples(batch, run.roles, cfg, run.prompts, stats)
+        if not drawn:
+            return out
+        mine = targets.build_policy_examples(drawn, run.roles, dataclasses.replace(cfg, use_buffer_action=True),
+                                             run.prompts, stats)
+        kept = [e for e in mine if e.dropped is None]
+        metrics["nlac/surprise_policy/approved"] = float(np.mean([e.verdict is True for e in mine]))
+        metrics["nlac/surprise_policy/kept"] = len(kept)
+        metrics["nlac/surprise_policy/kept_buffer_action"] = sum(targets.same_action(e.target_text, e.action)
+                                                                 for e in kept)
+        return mine + out
 
     def examples(self, run: Any, it: int, episodes: Sequence, transitions: Sequence, rng, metrics: dict
                  ) -> tuple[list, str]:

@@ -84,6 +84,7 @@ from nlac_jax.training.batching import KIND_CRITIC, KIND_POLICY
 __all__ = [
     "TargetConfig",
     "TargetStats",
+    "same_action",
     "CriticExample",
     "PolicyExample",
     "build_critic_examples",
@@ -523,7 +524,7 @@ def _usable(action: str, cfg: TargetConfig) -> bool:
     return bool(action) and len(action) <= cfg.max_action_chars
 
 
-def _same_action(a: str, b: str) -> bool:
+def same_action(a: str, b: str) -> bool:
     """The same action up to whitespace (the environment reads both alike)."""
     return a.split() == b.split()
 
@@ -697,7 +698,7 @@ def build_policy_examples(
     for c in chains:
         target, dropped = "", None
         reasoning = ""
-        if c.usable and _same_action(c.usable[-1], c.action) and c.verdict is not True:
+        if c.usable and same_action(c.usable[-1], c.action) and c.verdict is not True:
             # the refiner handed a back unchanged, but no critique approved a (suboptimal, unparsable or
             # ablated): distilling it would teach the very action the critic rejected or never judged
             dropped = "refinement_unchanged"
@@ -726,7 +727,7 @@ def build_policy_examples(
             target, reasoning, dropped = "", "", "filtered"
             stats.policy_dropped_filtered += 1
         if dropped is None:
-            stats.refinement_unchanged += int(_same_action(target, c.action))
+            stats.refinement_unchanged += int(same_action(target, c.action))
             if cfg.keep_reasoning:
                 target = with_reasoning(reasoning, target)
         examples.append(

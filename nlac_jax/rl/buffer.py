@@ -261,6 +261,11 @@ class ReplayBuffer:
         """``n`` distinct transitions in blocks of one episode's consecutive transitions (:meth:`block_indices`)."""
         return [self._view(self._items[int(i)]) for i in self.block_indices(n, block, key_or_seed)]
 
+    def terminal_indices(self) -> list[int]:
+        """Indices of the held transitions that ended their episode with an environment-reported success flag
+        (``done`` and ``info['success']`` set), read from the stored references: no transition is rebuilt."""
+        return [i for i, r in enumerate(self._items) if r.done and r.info and r.info.get("success") is not None]
+
     def stats(self) -> dict[str, float]:
         """Counters for logging."""
         n_done = sum(1 for r in self._items if r.done)

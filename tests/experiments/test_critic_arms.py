@@ -728,7 +728,52 @@ def test_surprise_replay_draws_terminal_transitions_by_the_critics_surprise():
     # share 0: exactly the uniform draw
     a = algorithm.surprise_batch(run, 3, np.random.default_rng(5), share=0.0, pool=4, metrics={})
     assert [t.action for t in a] == [t.action for t in algorithm.buffer_batch(run, 3, np.random.default_rng(5))]
+    # the buffer's own view of which transitions ended with an outcome: the three last ones
+    assert sorted(run.buffer[i].action for i in run.buffer.terminal_indices()) == ["4", "4", "6"]
     # the arm: half of L1 by surprise, its metrics reported; NLAC's default draws none
     learner = arms.make_learner("nlac_surprise_replay", run)
     assert (learner.surprise_share, learner.surprise_pool) == (0.5, 4) and arms.make_learner("nlac", run).surprise_share == 0
     assert "nlac_surprise_replay" in arms.ARMS
+
+
+def test_surprise_policy_critiques_the_buffer_action_where_the_critic_was_surprised():
+    """NLAC(policy_surprise_share=0.5): of 4 L2 states, 2 are the terminal transitions `surprise_draw` picks with
+    the same generator (checked against a direct call), each critiqued with its buffer action (action_source
+    'buffer'); the other 2 are the uniform draw that follows, with fresh actions from the policy. The refiner
+    answers 4: under the verdict 'optimal' a refinement equal to the buffer action is kept and counted. Share 0 is
+    NLAC's L2 exactly (no score call, the same states)."""
+
+    def scores(messages, continuation, served):
+        history = messages[-1]["content"].split("History: ", 1)[1].split(".", 1)[0]
+        p = {"none": 0.9, "4 higher": 0.2, "1 higher, 2 higher, 3 higher": 0.6}[history]
+        return math.log(p if continuation == "Outcome: success" else 1 - p)
+    roles = ScriptedRoleSampler({"policy": "3", "successor": "Outcome: success; Return: 1\nReply: correct.",
+                                 "evaluator": "It wins.\nVerdict: optimal", "refiner": "4"}, scores=scores)
+    run = _fake_run(roles, critic=0, policy=4)
+    run.prompts = PromptSet(task="toy", prompt_set="toy_forecast")
+    for t, g in ((4, [4]), (6, [4, 6]), (7, [1, 2, 3, 4])):
+        run.buffer.add(_toy_episode(t, g)[1])
+    learner = algorithm.NLAC(critic_examples=0, surprise_pool=4, policy_surprise_share=0.5)
+    for seed in range(5):
+        m = {}
+        ex = learner.policy_examples_for(run, [], np.random.default_rng(seed), 4, run.target_cfg,
+                                         algorithm.targets.TargetStats(), m)
+        rng = np.random.default_rng(seed)
+        want = algorithm.surprise_draw(run, 2, rng, 4, {}, "x/")
+        rest = algorithm.buffer_batch(run, 2, rng)
+        got_s = [e for e in ex if e.action_source == "buffer"]
+        got_f = [e for e in ex if e.action_source == "policy"]
+        assert [(e.state, e.action) for e in got_s] == [(t.state, t.action) for t in want]
+        assert [e.state for e in got_f] == [t.state for t in rest] and all(e.action == "3" for e in got_f)
+        assert all(e.verdict is True and e.target_text == "4" for e in ex)
+        assert m["nlac/surprise_policy/drawn"] == 2 and m["nlac/surprise_policy/pool"] == 3
+        assert m["nlac/surprise_policy/approved"] == 1.0 and m["nlac/surprise_policy/kept"] == 2
+        assert m["nlac/surprise_policy/kept_buffer_action"] == sum(e.action == "4" for e in got_s)
+    # share 0: NLAC's uniform L2, no score call
+    n_scores = len(roles.score_calls)
+    plain = algorithm.NLAC(critic_examples=0).policy_examples_for(run, [], np.random.default_rng(3), 4,
+                                                                   run.target_cfg, algorithm.targets.TargetStats(), {})
+    assert [e.state for e in plain] == [t.state for t in algorithm.buffer_batch(run, 4, np.random.default_rng(3))]
+    assert len(roles.score_calls) == n_scores and all(e.action_source == "policy" for e in plain)
+    learner = arms.make_learner("nlac_surprise_policy", run)
+    assert (learner.surprise_share, learner.policy_surprise_share, learner.surprise_pool) == (0.5, 0.5, 4)

@@ -269,9 +269,11 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
                            - r[f"{phase}/success_rate"]) < 1e-9, r
     assert "| wasted guesses |" in table and "| held-out success, targets the rule wastes |" in table
     assert "| endgame: policy plays it |" in table
-    # the surprise replay drew part of L1 by the critic's scores (algorithm.surprise_batch)
-    rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", "nlac_surprise_replay", "seed_0", "metrics.jsonl"))]
-    assert any(r.get("nlac/surprise/drawn", 0) > 0 and 0 <= r["nlac/surprise/mean_pool"] <= 1 for r in rows), rows
+    # the surprise draws took part of L1 and of L2 by the critic's scores (algorithm.surprise_draw)
+    rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", "nlac_surprise_policy", "seed_0", "metrics.jsonl"))]
+    for kind in ("surprise", "surprise_policy"):
+        assert any(r.get(f"nlac/{kind}/drawn", 0) > 0 and 0 <= r[f"nlac/{kind}/mean_pool"] <= 1 for r in rows), rows
+    assert any(0 <= r.get("nlac/surprise_policy/approved", -1) <= 1 for r in rows), rows
 
 
 @pytest.mark.slow
