@@ -39,10 +39,7 @@ def main(argv=None) -> int:
             cfg = models.ModelConfig(**base, attn_query_block=blk, max_position_embeddings=T)
             step = training.make_train_step(cfg, mesh, opt, num_microbatches=1)
             state = training.abstract_train_state(cfg, mesh, opt)
-            batch = planner.abstract_batch(mesh, 2, T)
-            for k, dt in (("node_ids", jnp.int32), ("node_ends", jnp.int32), ("kind", jnp.int32),
-                          ("weight", jnp.float32), ("denom_tokens", jnp.float32), ("denom_examples", jnp.float32)):
-                batch[k] = jax.ShapeDtypeStruct((2, T), dt, sharding=step.packed_batch_shardings[k])  # per token
+            batch = planner.abstract_batch(mesh, 2, T, packed=True)
             t0 = time.perf_counter()
             with sharding.use_mesh(mesh):
                 ex, _ = planner.compile_one("train step", f"2 x {T}", lambda: step.packed_jitted.lower(state, batch))

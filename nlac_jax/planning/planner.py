@@ -1,5 +1,5 @@
-"""The planner's library half: ahead-of-time compiles of a run's executables (train step, sampler buckets, the
-frozen external model) or of the judge server for a device list (a TPU topology or simulated CPU devices),
+"""The planner's library half: ahead-of-time compiles of a run's executables (train step, and its prefix-tree
+packed form when the run packs; sampler buckets and their shared-prefix executables; the frozen external model) or of the judge server for a device list (a TPU topology or simulated CPU devices),
 and the per-chip fit. The command line, platform set-up and flag handling live in `cli/plan.py`.
 """
 
@@ -20,6 +20,8 @@ from nlac_jax.rl.roles import CHAT_ROLES, RoleSampling
 from nlac_jax.runner import building
 from nlac_jax.runner.loop import LoopConfig
 from nlac_jax.sampling import decode
+from nlac_jax.training import prefix_packing
+from nlac_jax.training.step import PACKED_KEYS
 from nlac_jax.planning.footprint import DoesNotFit  # defined there: the CLI reports it in one line
 
 
@@ -116,14 +118,18 @@ def _rep(mesh):
     return NamedSharding(mesh, P())
 
 
-def abstract_batch(mesh, batch: int, length: int) -> dict:
-    """The token batch of the train step as sharded ShapeDtypeStructs (docs/ARCHITECTURE.md, "Token batches")."""
+def abstract_batch(mesh, batch: int, length: int, packed: bool = False) -> dict:
+    """The token batch of the train step as sharded ShapeDtypeStructs (docs/ARCHITECTURE.md, "Token batches");
+    `packed`: a prefix-tree packed batch (training/prefix_packing.py), whose node ids and kind, weight and loss
+    denominators are per token, all [batch, length]."""
     import jax
     shardings = sharding.batch_shardings(mesh)
     out = {}
     for k, dtype in _BATCH_DTYPE.items():
-        shape = (batch, length) if len(sharding.BATCH_LOGICAL_AXES[k]) == 2 else (batch,)
+        shape = (batch, length) if packed or len(sharding.BATCH_LOGICAL_AXES[k]) == 2 else (batch,)
         out[k] = jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
+    for k in PACKED_KEYS if packed else ():
+        out[k] = jax.ShapeDtypeStruct((batch, length), "int32", sharding=shardings[k])
     return out
 
 
@@ -342,6 +348,17 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
                                      lambda: step.jitted.lower(state, batch))
     sb = state_bytes(state, train_c)
     exes = [train]
+    if loop.share_prefixes:  # the loop packs every batch by prefix trees: that executable, at its most rows
+        rows = prefix_packing.max_rows(B, step.packed_row_multiple)
+        packed_batch = abstract_batch(mesh, rows, T, packed=True)
+        with sharding.use_mesh(mesh):
+            packed, _ = compile_one("train step, prefix-tree packed", f"B<={rows} T<={T} micro-batches={m}",
+                                    lambda: step.packed_jitted.lower(state, packed_batch))
+        exes.append(packed)
+        notes.append(f"LoopConfig.share_prefixes packs each step's {B} examples into prefix-tree rows: the packed "
+                     f"train step is planned at its most rows ({rows}: one per example, rounded up to "
+                     f"{step.packed_row_multiple} x a power of two) and T = max_len; sharing gives fewer rows or "
+                     f"a shorter bucket, each its own executable (compiled when first met), never a larger one")
 
     # the frozen user / oracle model: resident for the whole run (its weights as ExternalModel loads them)
     ext_bytes, ext_cfg = 0, None
@@ -353,7 +370,8 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
         notes.append("the external model (user simulator / oracle) is assumed to be the run's model architecture "
                      "(ExternalModel.model_dir = MODEL_DIR in the shipped runs), sharded on the run's mesh")
     sb["external"] = ext_bytes
-    train.resident = ext_bytes
+    for e in exes:  # the train steps so far
+        e.resident = ext_bytes
 
     # the samplers: every distinct bucket the roles use at the largest sampler batch, with θ (θ̄ has the same shapes)
     # the loop's sampler settings (runner.loop builds it with these): the shared-prefix and trunk executables too

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any
 
@@ -234,7 +233,7 @@ class NLACRun:
         pad = self.tokenizer.pad_token_id or 0
         packer = None
         if self.loop.share_prefixes:
-            rows = math.lcm(self.step_fn.data_parallel, max(1, self.step_fn.config.num_microbatches))
+            rows = self.step_fn.packed_row_multiple
             packer = lambda c: pack_shared_prefix(c, self.loop.max_len, pad_id=pad, row_multiple=rows)  # noqa: E731
         batches, m = batching.pack_train_batches(items, rng, max_len=self.loop.max_len, batch_size=self.loop.batch_size,
                                              train_steps=train_steps, pad_id=pad, packer=packer)

@@ -37,7 +37,7 @@ from nlac_jax import text
 from nlac_jax.text import common_prefix_length  # re-exported: the packing module's public helper before
 from nlac_jax.training import batching
 
-__all__ = ["common_prefix_length", "prefix_forest", "pack_shared_prefix", "packing_stats"]
+__all__ = ["common_prefix_length", "prefix_forest", "pack_shared_prefix", "packing_stats", "max_rows"]
 
 
 @dataclasses.dataclass
@@ -192,6 +192,17 @@ def pack_shared_prefix(examples: Sequence[batching.Example], max_len: int, batch
     return batching.PackedBatch(input_ids=ids, attention_mask=(node_ids > 0).astype(np.int32), positions=pos,
                             loss_mask=lm, kind=kind, weight=weight, node_ids=node_ids, node_ends=node_ends,
                             num_examples=len(examples))
+
+
+def max_rows(n_examples: int, row_multiple: int = 1) -> int:
+    """The most rows `pack_shared_prefix(batch_size=None)` can give ``n_examples`` examples: ``row_multiple`` x the
+    smallest power of two with at least one row per example (no two examples share a token and no two fit one
+    row), the worst case a planner must size. The row length is at most max_len."""
+    m = max(1, int(row_multiple))
+    rows = m
+    while rows < n_examples:
+        rows *= 2
+    return rows
 
 
 def packing_stats(examples: Sequence[batching.Example], batch: batching.PackedBatch) -> dict[str, int]:

@@ -13,6 +13,7 @@ while tracing. Metrics (replicated float/int scalars, METRIC_KEYS) are those of 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Mapping
 
@@ -258,6 +259,12 @@ class TrainStep:
                     donate_argnums=(0,), compiler_options=self.compiler_options or None)
             for bs in (self.batch_shardings, self.packed_batch_shardings))
         self._pending = None
+
+    @property
+    def packed_row_multiple(self) -> int:
+        """Rows of a prefix-tree packed batch come in multiples of this (prefix_packing.pack_shared_prefix's
+        row_multiple): every micro-batch splits over the data-parallel shards."""
+        return math.lcm(self.data_parallel, max(1, self.config.num_microbatches))
 
     def _jit_for(self, batch: Mapping):
         return self.packed_jitted if "node_ids" in batch else self.jitted

@@ -145,8 +145,9 @@ SHARED = ["--gin_param=LoopConfig.sampler_shared_prefix = 16"]
 @pytest.mark.slow
 def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
     """The loop's prefix-sharing executables are in the table (the common prefix, the trunks, and the prefills that
-    start from their caches) exactly when the run's gin turns them on, and a trunk cache too large for the chip is
-    refused in one line, although every executable of the unshared path fits."""
+    start from their caches; the train step's prefix-tree packed form at its most rows) exactly when the run's gin
+    turns them on, and a trunk cache too large for the chip is refused in one line, although every executable of
+    the unshared path fits."""
     base = ["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"] + SMALL
     names = ("prefix |", "prefill from prefix |", "trunk |", "prefill from trunks |")
     code, out, err = _run_cli(base + SHARED + ["--gin_param=LoopConfig.sampler_trunk_rows = 8"], capsys)
@@ -154,8 +155,13 @@ def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| sampler ")]
     assert all(any(n in r for r in rows) for n in names), out
     assert all(r.rstrip().endswith("| yes |") for r in rows)
-    code, out, err = _run_cli(base + SHARED, capsys)  # the common prefix only
+    assert "prefix-tree packed" not in out  # the train step's packing is off unless the gin turns it on
+    # the common prefix only; and the train step's prefix-tree packing, planned at its most rows: 24 examples on 8
+    # data-parallel shards may take 32 rows (8 x the next power of two, prefix_packing.max_rows), not 24
+    code, out, err = _run_cli(base + SHARED + ["--gin_param=LoopConfig.share_prefixes = True",
+                                               "--gin_param=LoopConfig.batch_size = 24"], capsys)
     assert code == 0 and "prefill from prefix |" in out and "trunk" not in out.split("note:")[0], out
+    assert "| train step | B=24 T=256 " in out and "| train step, prefix-tree packed | B<=32 T<=256 " in out, out
     code, out, err = _run_cli(base + ["--gin_param=LoopConfig.sampler_shared_prefix = 0"], capsys)
     assert code == 0 and not any(n in out for n in names), out
     # 2^17 trunk rows of 288 cache slots: ~30 GiB of KV cache per v5e chip (16 GiB of HBM)

@@ -41,6 +41,19 @@ def test_layout_by_hand():
     assert pp.packing_stats(HAND, b) == {"tokens_presented": 23 + 23 + 3, "tokens_computed": 29, "slots": 64}
 
 
+def test_max_rows_is_the_most_rows_a_batch_can_take():
+    """prefix_packing.max_rows by hand, and reached: n examples that share no token and of which no two fit one row
+    take exactly max_rows(n, multiple) rows; examples that share their prompts take fewer."""
+    assert [pp.max_rows(n, m) for n, m in ((3, 1), (4, 1), (5, 1), (1, 8), (8, 8), (9, 8), (48, 8), (0, 2))] == \
+        [4, 4, 8, 8, 8, 16, 64, 2]
+    for n, m in ((3, 1), (5, 2), (9, 4)):
+        lone = [batching.Example([100 * i + j + 1 for j in range(20)], [7], kind=0) for i in range(n)]
+        rows, length = pp.pack_shared_prefix(lone, max_len=32, row_multiple=m).shape
+        assert rows == pp.max_rows(n, m) and 21 <= length <= 32
+        shared = [batching.Example(P20 + [30 + i], [7], kind=1) for i in range(n)]
+        assert pp.pack_shared_prefix(shared, max_len=32, row_multiple=m).shape[0] <= pp.max_rows(n, m)
+
+
 def test_mask_by_hand():
     b = pp.pack_shared_prefix(HAND, max_len=64, batch_size=2)
     seen = np.asarray(decoder.packed_mask_bias(b.node_ids, b.node_ends, b.positions))[0, 0, 0] == 0
