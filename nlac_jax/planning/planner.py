@@ -342,23 +342,22 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
 
     # the train state: resident for the whole run (bytes as the device stores them: TPU layouts are tiled)
     state = training.abstract_train_state(cfg, mesh, optimizer)
-    batch = abstract_batch(mesh, B, T)
-    with sharding.use_mesh(mesh):
-        train, train_c = compile_one("train step", f"B={B} T={T} micro-batches={m}",
-                                     lambda: step.jitted.lower(state, batch))
-    sb = state_bytes(state, train_c)
-    exes = [train]
-    if loop.share_prefixes:  # the loop packs every batch by prefix trees: that executable, at its most rows
+    if loop.share_prefixes:  # every batch is packed by prefix trees: only that executable runs, at its most rows
         rows = prefix_packing.max_rows(B, step.packed_row_multiple)
-        packed_batch = abstract_batch(mesh, rows, T, packed=True)
-        with sharding.use_mesh(mesh):
-            packed, _ = compile_one("train step, prefix-tree packed", f"B<={rows} T<={T} micro-batches={m}",
-                                    lambda: step.packed_jitted.lower(state, packed_batch))
-        exes.append(packed)
+        name, shape, jitted = ("train step, prefix-tree packed", f"B<={rows} T<={T} micro-batches={m}",
+                               step.packed_jitted)
+        batch = abstract_batch(mesh, rows, T, packed=True)
         notes.append(f"LoopConfig.share_prefixes packs each step's {B} examples into prefix-tree rows: the packed "
                      f"train step is planned at its most rows ({rows}: one per example, rounded up to "
                      f"{step.packed_row_multiple} x a power of two) and T = max_len; sharing gives fewer rows or "
                      f"a shorter bucket, each its own executable (compiled when first met), never a larger one")
+    else:
+        name, shape, jitted = "train step", f"B={B} T={T} micro-batches={m}", step.jitted
+        batch = abstract_batch(mesh, B, T)
+    with sharding.use_mesh(mesh):
+        train, train_c = compile_one(name, shape, lambda: jitted.lower(state, batch))
+    sb = state_bytes(state, train_c)
+    exes = [train]
 
     # the frozen user / oracle model: resident for the whole run (its weights as ExternalModel loads them)
     ext_bytes, ext_cfg = 0, None
@@ -370,8 +369,7 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
         notes.append("the external model (user simulator / oracle) is assumed to be the run's model architecture "
                      "(ExternalModel.model_dir = MODEL_DIR in the shipped runs), sharded on the run's mesh")
     sb["external"] = ext_bytes
-    for e in exes:  # the train steps so far
-        e.resident = ext_bytes
+    train.resident = ext_bytes
 
     # the samplers: every distinct bucket the roles use at the largest sampler batch, with θ (θ̄ has the same shapes)
     # the loop's sampler settings (runner.loop builds it with these): the shared-prefix and trunk executables too
