@@ -1,6 +1,7 @@
-"""The planner's library half: ahead-of-time compiles of a run's executables (train step, and its prefix-tree
-packed form when the run packs; sampler buckets and their shared-prefix executables; the frozen external model) or of the judge server for a device list (a TPU topology or simulated CPU devices),
-and the per-chip fit. The command line, platform set-up and flag handling live in `cli/plan.py`.
+"""The planner's library half: ahead-of-time compiles of a run's executables (the train step, in its prefix-tree
+packed form when the run packs; sampler buckets and their shared-prefix executables; the frozen external model) or
+of the judge server for a device list (a TPU topology or simulated CPU devices), and the per-chip fit. The command
+line, platform set-up and flag handling live in `cli/plan.py`.
 """
 
 from __future__ import annotations
