@@ -21,9 +21,6 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default="v5p-8")
     a = p.parse_args(argv)
 
-    import jax
-    import jax.numpy as jnp
-
     from nlac_jax import models, training
     from nlac_jax.parallel import sharding
     from nlac_jax.planning import planner, tpu_specs

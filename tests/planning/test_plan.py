@@ -146,8 +146,8 @@ SHARED = ["--gin_param=LoopConfig.sampler_shared_prefix = 16"]
 def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
     """The loop's prefix-sharing executables are in the table (the common prefix, the trunks, and the prefills that
     start from their caches; the train step's prefix-tree packed form at its most rows, instead of the unpacked one)
-    exactly when the run's gin turns them on, and a trunk cache too large for the chip is refused in one line, although every executable of
-    the unshared path fits."""
+    exactly when the run's gin turns them on, and a trunk cache too large for the chip is refused in one line,
+    although every executable of the unshared path fits."""
     base = ["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"] + SMALL
     names = ("prefix |", "prefill from prefix |", "trunk |", "prefill from trunks |")
     code, out, err = _run_cli(base + SHARED + ["--gin_param=LoopConfig.sampler_trunk_rows = 8"], capsys)
