@@ -74,6 +74,7 @@ class Call:
     samples: int = 1
     draws: int = 0  # buffer transitions the prompts come from (0: not from the buffer: rollouts)
     next_state: bool = False  # the prompts are the draws' next states s_{t+1} (the critic's targets)
+    params: str = "policy"  # the parameter set that serves them: θ ('policy') or θ̄ ('target')
 
 
 def mean_state_tokens(w: Workload) -> float:
@@ -95,9 +96,9 @@ def calls(loop, rs, tcfg, w: Workload) -> list[Call]:
            # L1: a_{t+1} ~ π(s_{t+1}); d_{t+1} ~ M_θ̄(s_{t+1}, a_{t+1}); the backup reads r_t, o_{t+1} and d_{t+1}
            Call("critic targets", "policy", nonterminal, state + w.turn_tokens, act, draws=nc, next_state=True),
            Call("critic targets", "successor", nonterminal, state + w.turn_tokens + act + r, summ, draws=nc,
-                next_state=True),
+                next_state=True, params="target"),
            Call("critic targets", "backup", nonterminal, state + w.turn_tokens + summ + r, summ, draws=nc,
-                next_state=True)]
+                next_state=True, params="target")]
     if not tcfg.use_buffer_action:
         out.append(Call("policy targets", "policy", npol, state, act, draws=npol))
     if not tcfg.ablate_critique:
@@ -179,15 +180,22 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
     min_trunk = max(1, loop.sampler_shared_prefix)
     deepest = w.turn_tokens * (math.ceil(w.turns) - 1)  # the transcript of an episode's last state
     state = mean_state_tokens(w)
+    held: set = set()  # (parameter set, head tokens) whose head the sampler's prefix store keeps
     for c in calls(loop, rs, tcfg, w):
         if c.prompts <= 0:
             continue
         r = rows[c.phase]
         n_calls = math.ceil(c.prompts / loop.sampler_max_batch)
         shared = min(w.shared_tokens, c.length)  # what each call's prompts share: the task's head
+        # calls that compute the head: each, or, with a prefix store, the first under each parameter set (the
+        # store is emptied before the train step; the other phases' calls all start with the same head)
+        head_calls = n_calls
+        if getattr(loop, "sampler_prefix_store", 0):
+            head_calls = 0 if (c.params, shared) in held else 1
+            held.add((c.params, shared))
         plain = c.prompts * _prefill_flops(cfg, c.length, 0)
-        with_shared = n_calls * _prefill_flops(cfg, shared, 0) + c.prompts * _prefill_flops(cfg, c.length - shared,
-                                                                                          shared)
+        with_shared = head_calls * _prefill_flops(cfg, shared, 0) + c.prompts * _prefill_flops(cfg, c.length - shared,
+                                                                                             shared)
         trunked = 0.0  # transcript tokens the call's trunks compute once
         if trunk_rows and c.draws and block > 1:
             _, groups, lone, alone = block_trunks(w, block, c.next_state, minimum=min_trunk)
@@ -214,7 +222,7 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
         r["prompts"] += c.prompts
         r["presented"] += c.prompts * c.length
         r["computed"] += c.prompts * c.length
-        r["computed_shared"] += n_calls * shared + c.prompts * (c.length - shared) - trunked
+        r["computed_shared"] += head_calls * shared + c.prompts * (c.length - shared) - trunked
         r["generated"] += gen
         r["flops"] += plain + dflops
         r["flops_shared"] += with_shared + dflops

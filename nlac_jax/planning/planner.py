@@ -171,9 +171,9 @@ def compile_sampler(label: str, sampler, cfg, mesh, params, batch: int, prompt: 
 def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: int, new: int) -> list[Executable]:
     """The shared-prefix path of `sampler` at bucket (batch, prompt, new), each executable at its own worst case:
     the common prefix prefilled once on D data-parallel rows (`Sampler.prefix`, at the longest prefix the bucket can
-    share: the most activations), the prefill of every prompt's rest from that prefix cache (at the shortest shared
-    prefix, `min_shared_prefix`: the widest rests); with `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the
-    widest width of the grid) and the prefill from the trunks' cache (at the narrowest trunk: the widest rests).
+    share: the most activations) and fitted to the call's cache (`Sampler.fit`), the prefill of every prompt's rest
+    from that prefix cache (at the shortest shared prefix, `min_shared_prefix`: the widest rests); with
+    `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid) and the prefill from the trunks' cache (at the narrowest trunk: the widest rests).
     The start caches are arguments of the executables that read them, so their bytes are in the table; what is not
     planned: continuous batching's refill (the loop does not use it). [] when the sampler shares nothing here (no
     minimum, a sliding-window config, or a bucket too short for any prefix)."""
@@ -207,8 +207,14 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     out = []
     with sharding.use_mesh(mesh):
         args = (params, *rows(D, longest))
-        ex, pre_c = compile_one(f"{label} prefix", f"B={D} prefix={longest} cache={cache_len}",
-                                lambda: sampler.prefix.lower(*args, cache_len=cache_len))
+        ex, own_c = compile_one(f"{label} prefix", f"B={D} prefix={longest}",
+                                lambda: sampler.prefix.lower(*args, cache_len=longest))
+        ex.args = args
+        out.append(ex)
+        # the prefix is kept at its own length (Sampler.prefix_store) and fitted to each call's cache
+        args = (abstract(own_c),)
+        ex, pre_c = compile_one(f"{label} prefix fit", f"B={D} prefix={longest} cache={cache_len}",
+                                lambda: sampler.fit.lower(*args, cache_len=cache_len))
         ex.args = args
         out.append(ex)
         out.append(prefill("prefill from prefix", abstract(pre_c), D, prompt - shortest))
@@ -376,7 +382,7 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
     # the loop's sampler settings (runner.loop builds it with these): the shared-prefix and trunk executables too
     sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=loop.sampler_min_batch,
                                min_shared_prefix=loop.sampler_shared_prefix, trunk_rows=loop.sampler_trunk_rows,
-                               min_trunk=max(1, loop.sampler_shared_prefix))
+                               min_trunk=max(1, loop.sampler_shared_prefix), prefix_store=loop.sampler_prefix_store)
     budgets = prompts_lib.prompt_budgets(T, rs.max_new_tokens)
     buckets: dict = {}
     for role in CHAT_ROLES:
@@ -404,8 +410,14 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
                         if loop.sampler_trunk_rows else "")
                      + " executables and the prefills that start from their caches are planned at each one's worst "
                        "case (compile_shared)")
+    # the prefixes kept across calls (Sampler.prefix_store), each at most the longest one a bucket shares
+    stored = loop.sampler_prefix_store * max((e.outputs for e in shared_exes if e.name.endswith(" prefix")), default=0)
+    if stored:
+        notes.append(f"up to {loop.sampler_prefix_store} shared prefixes are kept across sampler calls "
+                     f"(LoopConfig.sampler_prefix_store; emptied before the train step): at most "
+                     f"{footprint.fmt_bytes(stored)} per chip while sampling")
     for e in sampler_exes + shared_exes:
-        e.resident, e.shared_args = sb["total"] + ext_bytes + copies, p_bytes
+        e.resident, e.shared_args = sb["total"] + ext_bytes + copies + stored, p_bytes
         exes.append(e)
     eb = sampler.buckets(min(loop.eval_episodes, loop.sampler_max_batch) or 1, 1, 1)[0]
     notes.append(f"evaluation and shrinking rollouts call the same executables at batch buckets <= "

@@ -67,6 +67,10 @@ class LoopConfig:
       tokens, in an RL targets phase one episode's states (`sampling.Sampler(trunk_rows=)`, `plan_trunks`); for
       long multi-turn prompts (τ-bench: benchmarks/bench_targets.py); 0: off (the default: its first call at each
       bucket compiles a trunk and a prefill executable per width of its grid, which a toy run does not repay).
+      sampler_prefix_store: shared prefixes kept across sampler calls (`sampling.Sampler(prefix_store=)`): a call
+      whose shared prefix an earlier call computed under the same parameters (each role's call in a targets phase
+      starts with the environment's system prompt, and a rollout's every turn) reuses it; emptied before each train
+      step. Each holds data-parallel rows x the prefix's tokens of KV cache. 0: none kept.
     Sampling settings (temperatures, top_p, token budgets, the evaluation temperature): nlac.RoleSampling.
     dump_examples: examples per kind written to workdir/examples/iter_XXXX.txt.
     export_hf: write θ as an HF directory (workdir/hf_export) at the end.
@@ -100,6 +104,7 @@ class LoopConfig:
     sampler_compact_levels: int = 2
     sampler_shared_prefix: int = 64
     sampler_trunk_rows: int = 0
+    sampler_prefix_store: int = 4
     seed: int = 0
     dump_examples: int = 2
     export_hf: bool = False
@@ -113,7 +118,7 @@ class LoopConfig:
                       "eval_every", "checkpoint_every", "sampler_max_batch", "sampler_min_batch")
         at_least_0 = ("critic_examples", "policy_examples", "critic_warmup_iterations", "eval_episodes", "calibration_transitions",
                       "score_transitions", "dump_examples", "seed", "sampler_compact_levels", "sampler_shared_prefix",
-                      "sampler_trunk_rows")
+                      "sampler_trunk_rows", "sampler_prefix_store")
         for name in at_least_1:
             _check_int(self, name, 1)
         for name in at_least_0:

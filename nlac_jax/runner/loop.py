@@ -180,6 +180,7 @@ class NLACRun:
                                         compact_levels=self.loop.sampler_compact_levels,
                                         min_shared_prefix=self.loop.sampler_shared_prefix,
                                         trunk_rows=self.loop.sampler_trunk_rows,
+                                        prefix_store=self.loop.sampler_prefix_store,
                                         min_trunk=max(1, self.loop.sampler_shared_prefix))
         holder = self.holder
         self.roles = model_roles.ModelRoleSampler(

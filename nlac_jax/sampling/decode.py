@@ -105,6 +105,24 @@ def prefix_impl(cfg: ModelConfig, params, ids, mask, *, cache_len: int) -> dict:
     return cache
 
 
+def fit_impl(cache: dict, *, cache_len: int) -> dict:
+    """A prefix cache (`prefix_impl` at exactly its P tokens' slots) in `cache_len` >= P slots: the slot axis
+    zero-padded (masked, never read), its index and its keys and values unchanged. The sampler keeps prefixes at
+    their own length across calls and fits them to each call's cache here: a copy, no model work."""
+    TRACE_COUNTS["fit"] += 1
+    pad = cache_len - cache["mask"].shape[-1]
+    if pad < 0:
+        raise ValueError(f"fit_impl: a prefix of {cache['mask'].shape[-1]} slots does not fit {cache_len}")
+
+    def slots(a, axis):  # k, v: [..., K, S, D] (slot axis -2); mask: [B, S] (slot axis -1)
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, pad)
+        return jnp.pad(a, widths)
+    out = {"k": jax.tree.map(lambda a: slots(a, -2), cache["k"]), "v": jax.tree.map(lambda a: slots(a, -2), cache["v"]),
+           "mask": slots(cache["mask"], -1), "index": cache["index"]}
+    return decoder.constrain_cache(out)
+
+
 def prefix_rows(prefix: dict) -> dict:
     """Each prompt's starting cache, from a call's prefix: {"cache": a prefix cache (`prefix_impl` or `trunk_impl`;
     its index is every row's), "src" [U] int32 (the cache row prompt u starts from), "keep" [U] int32 (how many of

@@ -23,7 +23,7 @@ from nlac_jax.models.config import ModelConfig
 from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inference_weights, layout_params
 from nlac_jax.parallel import sharding, xla_options
 from nlac_jax.parallel.distributed import replicated_to_global
-from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state,
+from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state, fit_impl,
                                       prefill_impl, prefix_impl, refill_impl, trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
                                         plan_trunks, prefix_to_share, shared_prefix_length, stop_table, trunk_grid)
@@ -52,7 +52,7 @@ class Sampler:
     def __init__(self, cfg: ModelConfig, mesh=None, rules=None, min_prompt_bucket: int = _MIN_PROMPT_BUCKET,
                  min_new_bucket: int = _MIN_NEW_BUCKET, layer_loop: str = "auto", min_batch_bucket: int = 1,
                  compact_levels: int = 0, weights: str = "compute", min_shared_prefix: int = _MIN_SHARED_PREFIX,
-                 trunk_rows: int = 0, min_trunk: int = _MIN_SHARED_PREFIX):
+                 trunk_rows: int = 0, min_trunk: int = _MIN_SHARED_PREFIX, prefix_store: int = 4):
         # min_batch_bucket: every call pads its batch to at least this many rows. Each new (batch, prompt, new-token)
         # bucket costs a compilation (seconds on a CPU), while a few padded rows of a small model cost almost
         # nothing: rollouts whose active episodes shrink 16 -> 9 -> 3 -> 1 then reuse one executable.
@@ -69,6 +69,14 @@ class Sampler:
         # Full-attention configs only: a sliding window is measured in cache slots, which the padded gap between
         # the prefix and each prompt's rest would skew.
         self.min_shared_prefix = max(0, int(min_shared_prefix))
+        # prefix_store: the last this-many shared prefixes' caches are kept across calls, each with the parameter
+        # tree it was computed from (0: none kept). A call whose shared prefix (`_pick_shared`: the same tokens)
+        # was computed under the same tree reuses it instead of prefilling it again: in an NLAC targets phase every
+        # role's call starts with the environment's system prompt, and a rollout's turns too. Kept at the prefix's
+        # own length and fitted to each call's cache length (`fit_impl`: a copy), so which call hits the store
+        # never changes what is compiled. `release()` empties it, as it drops the trees it was computed from.
+        self.prefix_store = max(0, int(prefix_store))
+        self._stored: list = []  # [(leaf ids, parameter tree, prefix tokens, cache)], newest first
         self._prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
         # trunk_rows: > 0 shares more than the common prefix: prompts whose rests share at least `min_trunk` more
         # tokens form groups (at most trunk_rows, those that save the most), each prefilled once up to its longest
@@ -108,6 +116,9 @@ class Sampler:
         def sampler_prefix(params, ids, mask, *, cache_len):
             return prefix_impl(run_cfg, params, ids, mask, cache_len=cache_len)
 
+        def sampler_fit(cache, *, cache_len):
+            return fit_impl(cache, cache_len=cache_len)
+
         def sampler_trunk(params, ids, mask, prefix, *, cache_len):
             return trunk_impl(run_cfg, params, ids, mask, prefix, cache_len=cache_len)
 
@@ -123,6 +134,7 @@ class Sampler:
         self.prefill = jax.jit(sampler_prefill, static_argnames=("new_bucket",),
                                compiler_options=self.prefill_options)
         self.prefix = jax.jit(sampler_prefix, static_argnames=("cache_len",), compiler_options=self.prefill_options)
+        self.fit = jax.jit(sampler_fit, static_argnames=("cache_len",))
         self.trunk = jax.jit(sampler_trunk, static_argnames=("cache_len",), compiler_options=self.prefill_options)
         self.decode = jax.jit(sampler_decode, donate_argnums=(1,))
         self.empty = jax.jit(sampler_empty, static_argnames=("batch", "cache_len", "new_bucket"))
@@ -195,8 +207,10 @@ class Sampler:
 
     def release(self) -> None:
         """Drop the cached run-layout trees (and the source trees they pin), e.g. before a train step: the
-        next parameter update makes them stale, and they would otherwise stay in device memory beside it."""
+        next parameter update makes them stale, and they would otherwise stay in device memory beside it. The
+        stored prefix caches (`prefix_store`) go with them."""
         self._layouts = []
+        self._stored = []
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
@@ -312,13 +326,25 @@ class Sampler:
         return L
 
     def _prefix_cache(self, params, prefix: list, cache_len: int):
-        """The cache of `cache_len` slots holding the shared `prefix` (unpadded) in its first len(prefix) slots,
-        prefilled on D = data-parallel rows; None without a prefix."""
+        """(the cache of `cache_len` slots holding the shared `prefix` (unpadded) in its first len(prefix) slots,
+        on D = data-parallel rows; the tokens prefilled for it: 0 when the store held it under these parameters);
+        (None, 0) without a prefix. Computed at exactly len(prefix) slots and fitted to `cache_len`, stored or not:
+        one path, so the executables a call runs do not depend on what the store holds."""
         if not prefix:
-            return None
+            return None, 0
+        ids_ = tuple(map(id, jax.tree.leaves(params)))
+        tokens = tuple(prefix)
+        for i, (known, _tree, toks, cache) in enumerate(self._stored):
+            # the entry holds its tree, so its leaves' ids cannot have been reused by other arrays
+            if known == ids_ and toks == tokens:
+                self._stored.insert(0, self._stored.pop(i))
+                return self.fit(cache, cache_len=cache_len), 0
         D = self.data_parallel
         ids, mask = self.device_rows(*pad_rows([prefix] * D, D, len(prefix)))
-        return self.prefix(params, ids, mask, cache_len=cache_len)
+        cache = self.prefix(params, ids, mask, cache_len=len(prefix))
+        if self.prefix_store:
+            self._stored = [(ids_, params, tokens, cache)] + self._stored[:self.prefix_store - 1]
+        return self.fit(cache, cache_len=cache_len), len(prefix)
 
     def _starts(self, params, prompts, Tb: int, Nb: int, common: int):
         """Where each prompt's prefill starts, for a call at buckets (Tb, Nb): the common prefix's `shared` tokens
@@ -326,18 +352,18 @@ class Sampler:
         (one row per group, `trunk_rows` rows; never for sliding-window configs, as the common prefix). Returns
         (rests: each prompt's tokens still to prefill, their slot width, the start cache or None, src [U] int32 or
         None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
-        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix and the trunks,
-        fresh). fresh: None, or at the first call with trunks at these buckets and shared length, (the grid of trunk
-        widths, whose trunk executables this call compiled, a trunks' cache of placeholder rows, the common prefix's
-        cache or None) for `_compile_rests`."""
+        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix (none when
+        `prefix_store` held it) and the trunks, fresh). fresh: None, or at the first call with trunks at these
+        buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
+        cache of placeholder rows, the common prefix's cache or None) for `_compile_rests`."""
         shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
-        cache = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
+        cache, computed = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
         rests, width = [p[shared:] for p in prompts], Tb - shared
         keep = np.full((len(prompts),), shared, np.int32)
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
         if not G or len(prompts) < 2:  # (one prompt: nothing to share, and no grid compiled for it)
-            return rests, width, cache, None, keep, shared, shared, None
+            return rests, width, cache, None, keep, shared, computed, None
         start = None
         if cache is not None:
             src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
@@ -353,11 +379,11 @@ class Sampler:
         grid = self._trunk_widths[(Tb, Nb, shared)]
         plan = plan_trunks(rests, width, self.min_trunk, grid, max_trunks=G) if grid else None
         if plan is None:
-            return rests, width, cache, None, keep, shared, shared, fresh
+            return rests, width, cache, None, keep, shared, computed, fresh
         ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
         cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
         return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
-                shared + sum(map(len, plan.trunks)), fresh)
+                computed + sum(map(len, plan.trunks)), fresh)
 
     def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
         """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
@@ -450,6 +476,7 @@ class Sampler:
     def cache_sizes(self) -> dict:
         """Compiled variants held by this Sampler's jitted functions."""
         return {"prefill": self.prefill._cache_size(), "prefix": self.prefix._cache_size(),
+                "fit": self.fit._cache_size(),
                 "trunk": self.trunk._cache_size(),
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),

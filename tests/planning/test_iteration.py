@@ -72,6 +72,19 @@ def test_estimate_counts_tokens_and_flops_by_hand():
     assert math.isclose(total["seconds"], sum(rows[p]["seconds"] for p in iteration.PHASES))
     table = iteration.report(list(rows.values()), W)
     assert "| total |" in table and "100 shared tokens" in table
+    # with a prefix store (Sampler.prefix_store) the head is computed once per parameter set in the iteration: once
+    # under θ (the first rollout call) and once under θ̄ (the critic's successor call); no other call computes it
+    stored = {r["phase"]: r for r in iteration.estimate(
+        CFG, types.SimpleNamespace(**{**vars(LOOP), "sampler_prefix_store": 4}), RoleSampling(), TargetConfig(), W,
+        8, 1e12, 1e11, {"data": 1, "fsdp": 8, "tensor": 1})}
+    assert stored["rollouts"]["computed_shared"] == 100 + 6 * 10
+    assert stored["rollouts"]["flops_shared"] == pytest.approx(100 * fwd(CFG, 50) + 6 * 10 * fwd(CFG, 105) + decode)
+    # critic targets: 3 calls of 2 prompts (policy θ, successor θ̄, backup θ̄): the θ̄ head once
+    ct, ct_stored = rows["critic targets"], stored["critic targets"]
+    assert ct["computed_shared"] - ct_stored["computed_shared"] == 3 * 100 - 100
+    pt, pt_stored = rows["policy targets"], stored["policy targets"]
+    assert pt["computed_shared"] - pt_stored["computed_shared"] == 4 * 100  # its 4 calls are all under θ
+    assert stored["train"] == rows["train"]
 
 
 @pytest.mark.parametrize("field, value", [("shared_tokens", -1), ("turn_tokens", 1.5), ("turns", 0.5)])

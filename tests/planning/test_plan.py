@@ -173,7 +173,7 @@ def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
 
 
 def test_compile_shared_counts_the_prefix_cache_by_hand():
-    """The prefix executable's output is the KV cache of D = 8 rows (one per device) x cache slots, counted by hand
+    """The prefix executables' outputs are KV caches of D = 8 rows (one per device) x slots, counted by hand
     from the config; the prefill that starts from it takes it as an argument, so its bytes are in that row's peak."""
     cfg = _small_cfg(dtype="float32")
     mesh = sharding.make_mesh(data=8, devices=jax.devices()[:8])
@@ -181,14 +181,18 @@ def test_compile_shared_counts_the_prefix_cache_by_hand():
     params = footprint.with_shardings(params, models.param_shardings(cfg, mesh))
     sampler = sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=16, trunk_rows=8, min_trunk=16)
     exes = planner.compile_shared("s", sampler, cfg, mesh, params, 8, 64, 16)
-    assert [e.name for e in exes] == ["s prefix", "s prefill from prefix", "s trunk", "s prefill from trunks"]
-    prefix, from_prefix, trunk, from_trunks = exes
-    slots = 64 + 16
-    per_row = 2 * cfg.num_layers * cfg.num_kv_heads * slots * cfg.head_dim * 4 + slots * 4  # k, v (f32), mask
-    assert per_row <= prefix.outputs <= per_row + 64, (prefix.outputs, per_row)  # + the scalar index
+    assert [e.name for e in exes] == ["s prefix", "s prefix fit", "s prefill from prefix", "s trunk",
+                                      "s prefill from trunks"]
+    own, prefix, from_prefix, trunk, from_trunks = exes
+
+    def cache_bytes(slots):  # a chip's row of the D = 8: k, v (f32) and the mask
+        return 2 * cfg.num_layers * cfg.num_kv_heads * slots * cfg.head_dim * 4 + slots * 4
+    # the prefix at its own 60 slots (kept across calls: Sampler.prefix_store), fitted to the call's 64 + 16
+    assert cache_bytes(60) <= own.outputs <= cache_bytes(60) + 64, (own.outputs, cache_bytes(60))  # + the index
+    assert cache_bytes(80) <= prefix.outputs <= cache_bytes(80) + 64 and prefix.arguments >= cache_bytes(60)
     assert trunk.outputs == prefix.outputs  # the trunks' cache: 8 rows too (trunk_rows is a multiple of D = 8)
     assert from_prefix.arguments >= prefix.outputs and from_trunks.arguments >= trunk.outputs
-    assert "prefix=60" in prefix.shape and "rest=48" in from_prefix.shape  # longest prefix (63 floored to 60); widest rest
+    assert "prefix=60" in own.shape and "rest=48" in from_prefix.shape  # longest prefix (63 floored to 60); widest rest
     assert planner.compile_shared("s", sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=0), cfg, mesh, params,
                                   8, 64, 16) == []
 

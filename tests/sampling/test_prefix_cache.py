@@ -151,6 +151,47 @@ def test_shared_prefix_length_rules(qwen):
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
+# ----------------------------------------------------------------------------------- the store across calls
+
+def test_prefix_store_reuses_a_prefix_across_calls_under_the_same_parameters(qwen):
+    """A shared prefix computed in one call is reused by a later call with the same prefix tokens and parameter
+    tree, at another cache length (another new-token bucket); other parameters, `release()` and prefix_store=0
+    compute it again. Greedy tokens equal the unshared path and transformers; sampled rows equal the unshared path;
+    which calls hit the store never changes the executables compiled."""
+    hm, m = qwen
+    first = _prompts(seed=7)
+    head = first[0][:PREFIX]
+    rng = np.random.RandomState(8)
+    second = [head + [3 + i] + rng.randint(3, VOCAB - 3, n - 1).tolist() for i, n in enumerate((6, 2, 21))]
+    other = jax.tree.map(lambda x: x * 1.01, m.params)  # another parameter tree: the stored prefix is not its own
+    plain = sampling.Sampler(m.config, min_shared_prefix=0)
+    store, none = sampling.Sampler(m.config), sampling.Sampler(m.config, prefix_store=0)
+    calls = [(m.params, first, dict(max_new_tokens=24)), (m.params, second, dict(max_new_tokens=40)),
+             (other, second, dict(max_new_tokens=24)), (m.params, first, dict(max_new_tokens=24)),
+             (m.params, second, dict(max_new_tokens=40, temperature=1.0, seed=3))]
+    hits = []
+    for params, ps, kw in calls:
+        a, b = store.generate(params, ps, stop_token_ids=(), **kw), plain.generate(params, ps, stop_token_ids=(), **kw)
+        c = none.generate(params, ps, stop_token_ids=(), **kw)
+        assert a.shared_prefix == c.shared_prefix == PREFIX
+        rests = sum(len(p) - PREFIX for p in ps)
+        assert c.prefill_tokens == PREFIX + rests  # nothing kept: every call prefills its prefix
+        assert a.prefill_tokens in (rests, PREFIX + rests)
+        hits.append(a.prefill_tokens == rests)
+        _assert_same(a, b)
+        _assert_same(c, b)
+        if "temperature" not in kw:
+            np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, kw["max_new_tokens"]) if params is m.params
+                                          else b.tokens)
+    # the first call computes; the second reuses it at another cache length; other parameters compute their own;
+    # both trees' prefixes are then held (4 entries), so the last two calls reuse
+    assert hits == [False, True, False, True, True]
+    assert store.cache_sizes() == none.cache_sizes() and store.cache_sizes()["fit"] == 2
+    store.release()
+    out = store.generate(m.params, second, max_new_tokens=40, stop_token_ids=())
+    assert out.prefill_tokens == PREFIX + sum(len(p) - PREFIX for p in second)
+
+
 # ----------------------------------------------------------------------------------- trunks (a prefix tree per call)
 
 def _episode_prompts(seed=0, prefix=PREFIX, cuts=((20, 45, 70), (30, 52), (40,))):
