@@ -24,10 +24,11 @@ Reported:
   not built either);
 * with --time_targets, the targets phase's sampler calls (exactly the prompts, sample counts and roles the phase
   made) replayed through `sampling.Sampler` on a random model of --hidden x --layers, greedy, every row decoding its
-  role's scripted output length (stop tokens off: equal work on every path), three ways side by side in one
-  process: no sharing (`min_shared_prefix=0`), each call's common prefix (the default), and trunks
-  (`trunk_rows=8`). Each path replays the phase once to compile (reported apart), then once timed; the tokens
-  generated must be identical on the three paths;
+  role's scripted output length (stop tokens off: equal work on every path), the ways --modes names side by side
+  in one process: no sharing (`min_shared_prefix=0`), each call's common prefix, trunks (`trunk_rows=8`), each of
+  the last two with the prefix store (`prefix_store=4`: a common prefix computed once per parameter tree across
+  the calls). Each path replays the phase once to compile (reported apart), then once timed; the tokens generated
+  must be identical on every path;
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
@@ -56,24 +57,35 @@ def trie_tokens(seqs) -> int:
     return out
 
 
-def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_rows: int = 0) -> int:
+def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_rows: int = 0,
+                           prefix_store: int = 0) -> int:
     """Prompt tokens `sampling.Sampler` prefills for these role calls (one `generate` call each, as
     `nlac.model_roles` makes them), as `Sampler._starts` plans them for a fresh sampler: per call, the prompts'
-    shared prefix once (`prefix_to_share` of their common prefix), with trunk_rows > 0 the trunks of
-    `plan_trunks` (at most trunk_rows groups, min_trunk = min_shared_prefix, the rests' width from the call's
-    prompt bucket) once, and each distinct prompt's remaining rest once (n samples of a prompt: once)."""
+    shared prefix once (`prefix_to_share` of their common prefix; with prefix_store > 0 not at all when one of the
+    last prefix_store prefixes computed was the same tokens under the same parameter set, θ or θ̄, as
+    `Sampler._prefix_cache` keeps them), with trunk_rows > 0 the trunks of `plan_trunks` (at most trunk_rows
+    groups, min_trunk = min_shared_prefix, the rests' width from the call's prompt bucket) once, and each distinct
+    prompt's remaining rest once (n samples of a prompt: once)."""
     from nlac_jax import text
     from nlac_jax.sampling import plan_trunks, prefix_to_share, shared_prefix_length
-    out = 0
+    out, stored = 0, []
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
         L = prefix_to_share(shared_prefix_length(prompts, min_shared_prefix), (), min_shared_prefix)
         rests = [p[L:] for p in prompts]
+        key = (call.params, tuple(prompts[0][:L]))
+        if L and prefix_store and key in stored:
+            stored.remove(key)
+            L_computed = 0
+        else:
+            L_computed = L
+        if L and prefix_store:
+            stored = [key] + stored[:prefix_store - 1]
         plan = None
         if trunk_rows:
             width = text.bucket_length(max(map(len, prompts)), 16, fine=True) - L
             plan = plan_trunks(rests, width, max(1, min_shared_prefix), max_trunks=trunk_rows)
-        out += L + (plan.tokens(rests) if plan is not None else sum(map(len, rests)))
+        out += L_computed + (plan.tokens(rests) if plan is not None else sum(map(len, rests)))
     return out
 
 
@@ -145,16 +157,23 @@ def targets_phase(transitions, tokenizer, k: int):
                 per_role=per_role,
                 sampler=sampler_prefill_tokens(sampler.calls, tokenizer), calls=len(sampler.calls),
                 sampler_trunks={r: sampler_prefill_tokens(sampler.calls, tokenizer, trunk_rows=r) for r in (4, 8, 16)},
+                sampler_store=sampler_prefill_tokens(sampler.calls, tokenizer, prefix_store=4),
+                sampler_trunks_store={r: sampler_prefill_tokens(sampler.calls, tokenizer, trunk_rows=r, prefix_store=4)
+                                      for r in (4, 8, 16)},
                 seconds=seconds), examples, sampler.calls
 
 
-SHARING = {"unshared": dict(min_shared_prefix=0), "shared prefix": dict(), "trunks": dict(trunk_rows=8)}
+SHARING = {"unshared": dict(min_shared_prefix=0), "shared prefix": dict(prefix_store=0),
+           "trunks": dict(trunk_rows=8, prefix_store=0), "shared prefix + store": dict(prefix_store=4),
+           "trunks + store": dict(trunk_rows=8, prefix_store=4)}
 
 
 def time_targets_phase(calls, tokenizer, a) -> dict:
-    """The phase's sampler calls replayed through a `Sampler` per sharing mode (SHARING), same model and process:
-    per mode the compile pass's and the timed pass's seconds, prompt tokens presented and prefilled, and the
-    generated tokens (which must agree across modes). Greedy; each row decodes its role's scripted output length."""
+    """The phase's sampler calls replayed through a `Sampler` per sharing mode (SHARING, those in a.modes), same
+    model and process: per mode the compile pass's and the timed pass's seconds, prompt tokens presented and
+    prefilled, and the generated tokens (which must agree across modes). Greedy; each row decodes its role's
+    scripted output length. θ̄ calls (the critic's successor and backup) read a second parameter tree, as in a run
+    (a prefix stored under θ does not serve them)."""
     import jax
     import numpy as np
 
@@ -165,17 +184,19 @@ def time_targets_phase(calls, tokenizer, a) -> dict:
                              head_dim=a.hidden // a.heads, dtype="bfloat16", param_dtype="float32",
                              max_position_embeddings=4 * a.max_len)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    params = models.init_params(cfg, seed=0)
+    trees = {"policy": models.init_params(cfg, seed=0), "target": models.init_params(cfg, seed=1)}
     budget = {r: len(tokenizer.encode(t)) for r, t in scripted_texts().items()}
     replay = [([text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in c.messages_batch], c.n,
-               budget[c.role]) for c in calls]
+               budget[c.role], trees[c.params]) for c in calls]
     out = {}
     for name, kw in SHARING.items():
+        if name not in a.modes:
+            continue
         sampler = sampling.Sampler(cfg, mesh=mesh, min_batch_bucket=a.slots, **kw)
         passes = []
         for _ in range(2):  # the first pass compiles every executable the phase needs; the second is timed
             t0, presented, prefilled, tokens = time.perf_counter(), 0, 0, []
-            for prompts, n, new in replay:
+            for prompts, n, new, params in replay:
                 r = sampler.generate(params, prompts, max_new_tokens=new, stop_token_ids=(), slots=a.slots, n=n)
                 presented += n * sum(map(len, prompts))
                 prefilled += int(r.prefill_tokens)
@@ -185,8 +206,9 @@ def time_targets_phase(calls, tokenizer, a) -> dict:
                          generated=int(sum(t.size for t in tokens)), tokens=tokens)
         print(f"  {name:14s} {passes[1]:8.1f} s (first pass, compiling: {passes[0]:.0f} s), prefilled "
               f"{prefilled:,} of {presented:,} prompt tokens ({prefilled / presented:.1%})", flush=True)
-    ref = out["unshared"].pop("tokens")
-    for name in list(SHARING)[1:]:
+    first = next(iter(out))
+    ref = out[first].pop("tokens")
+    for name in list(out)[1:]:
         got = out[name].pop("tokens")
         out[name]["same_tokens"] = all(np.array_equal(x, y) for x, y in zip(ref, got))
     out["params"] = cfg.num_params
@@ -363,8 +385,14 @@ def main(argv=None) -> int:
                    help="also time the targets phase's sampler calls without sharing, with each call's shared "
                         "prefix and with trunks (random model of --hidden x --layers; minutes: try --tasks 1)")
     p.add_argument("--slots", type=int, default=16, help="sampler rows per call (LoopConfig.sampler_max_batch)")
+    p.add_argument("--modes", default=",".join(SHARING),
+                   help=f"the sharing modes --time_targets times, the first is the reference ({', '.join(SHARING)})")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    unknown = [m for m in a.modes if m not in SHARING]
+    if unknown or not a.modes:
+        p.error(f"--modes: {', '.join(unknown) or '(none)'} not among {', '.join(SHARING)}")
 
     from nlac_jax.testing import tiny
     transitions, domain = play(a.tasks)
@@ -386,6 +414,11 @@ def main(argv=None) -> int:
     for r, n in phase["sampler_trunks"].items():
         print(f"  with trunks (Sampler(trunk_rows={r}), LoopConfig.sampler_trunk_rows) it prefills {n:,} "
               f"({n / phase['presented']:.1%})")
+    n = phase["sampler_store"]
+    print(f"  with each call's common prefix kept across calls (Sampler(prefix_store=4), "
+          f"LoopConfig.sampler_prefix_store) it prefills {n:,} ({n / phase['presented']:.1%})")
+    for r, n in phase["sampler_trunks_store"].items():
+        print(f"  with trunks (trunk_rows={r}) and the store it prefills {n:,} ({n / phase['presented']:.1%})")
     modelled = modelled_shared_tokens(w, len(transitions), a.k, phase["calls"])
     print(f"  the planner's model of this phase (planning.iteration, the workload above) computes {modelled:,.0f} "
           f"({modelled / phase['presented']:.1%}) with one shared prefix per call")
@@ -401,9 +434,9 @@ def main(argv=None) -> int:
               f"{' '.join(cpu_flags())}; random model hidden {a.hidden} x {a.layers} layers, bf16 compute, "
               f"{a.slots} slots, greedy, each role's scripted output length):", flush=True)
         t = time_targets_phase(calls, tok, a)
-        u = t["unshared"]["seconds"]
-        for name in list(SHARING)[1:]:
-            print(f"  {name}: {u / t[name]['seconds']:.2f}x the unshared path; generated tokens identical: "
+        u = t[a.modes[0]]["seconds"]
+        for name in a.modes[1:]:
+            print(f"  {name}: {u / t[name]['seconds']:.2f}x {a.modes[0]}; generated tokens identical: "
                   f"{t[name]['same_tokens']}")
         res["targets_phase_timed"] = t
     row_len = a.row_len or 2 * a.max_len
