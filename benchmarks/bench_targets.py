@@ -64,11 +64,13 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
     shared prefix once (`prefix_to_share` of their common prefix; with prefix_store > 0 not at all when one of the
     last prefix_store prefixes computed was the same tokens under the same parameter set, θ or θ̄, as
     `Sampler._prefix_cache` keeps them), with trunk_rows > 0 the trunks of `plan_trunks` (at most trunk_rows
-    groups, min_trunk = min_shared_prefix, the rests' width from the call's prompt bucket) once, and each distinct
-    prompt's remaining rest once (n samples of a prompt: once)."""
+    groups, min_trunk = min_shared_prefix, the rests' width from the call's prompt bucket) once, or with
+    prefix_store > 0 none when the trunks of one of the last prefix_store calls that computed trunks (same
+    parameter set and common prefix) leave less to prefill (`plan_from_trunks`, as `Sampler._starts` chooses), and
+    each distinct prompt's remaining rest once (n samples of a prompt: once)."""
     from nlac_jax import text
-    from nlac_jax.sampling import plan_trunks, prefix_to_share, shared_prefix_length
-    out, stored = 0, []
+    from nlac_jax.sampling import plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length
+    out, stored, trunk_sets = 0, [], []
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
         L = prefix_to_share(shared_prefix_length(prompts, min_shared_prefix), (), min_shared_prefix)
@@ -82,10 +84,25 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
         if L and prefix_store:
             stored = [key] + stored[:prefix_store - 1]
         plan = None
+        cost = sum(map(len, rests))
         if trunk_rows:
             width = text.bucket_length(max(map(len, prompts)), 16, fine=True) - L
             plan = plan_trunks(rests, width, max(1, min_shared_prefix), max_trunks=trunk_rows)
-        out += L_computed + (plan.tokens(rests) if plan is not None else sum(map(len, rests)))
+            if plan is not None:
+                cost = plan.tokens(rests)
+            reused = None
+            for entry in (trunk_sets if prefix_store else []):
+                if entry[:2] != key:
+                    continue
+                old = plan_from_trunks(rests, entry[2], width, entry[3])
+                if old is not None and old.tokens(rests) - sum(map(len, old.trunks)) <= cost:
+                    cost, reused = old.tokens(rests) - sum(map(len, old.trunks)), entry
+            if reused is not None:
+                trunk_sets.remove(reused)
+                trunk_sets.insert(0, reused)
+            elif plan is not None and prefix_store:
+                trunk_sets = [key + (plan.trunks, plan.width)] + trunk_sets[:prefix_store - 1]
+        out += L_computed + cost
     return out
 
 

@@ -410,12 +410,16 @@ def make_plan(slc: tpu_specs.Slice, devices, where: str) -> Plan:
                         if loop.sampler_trunk_rows else "")
                      + " executables and the prefills that start from their caches are planned at each one's worst "
                        "case (compile_shared)")
-    # the prefixes kept across calls (Sampler.prefix_store), each at most the longest one a bucket shares
-    stored = loop.sampler_prefix_store * max((e.outputs for e in shared_exes if e.name.endswith(" prefix")), default=0)
+    # the prefixes (and trunk sets) kept across calls (Sampler.prefix_store): each at most the longest prefix a
+    # bucket shares (a trunk set: at most a whole trunk cache; it is kept cut to its filled slots)
+    def largest(suffix):
+        return max((e.outputs for e in shared_exes if e.name.endswith(suffix)), default=0)
+    stored = loop.sampler_prefix_store * (largest(" prefix") + largest(" trunk"))
     if stored:
-        notes.append(f"up to {loop.sampler_prefix_store} shared prefixes are kept across sampler calls "
-                     f"(LoopConfig.sampler_prefix_store; emptied before the train step): at most "
-                     f"{footprint.fmt_bytes(stored)} per chip while sampling")
+        notes.append(f"up to {loop.sampler_prefix_store} shared prefixes"
+                     + (" and trunk sets" if largest(" trunk") else "")
+                     + " are kept across sampler calls (LoopConfig.sampler_prefix_store; emptied before the train "
+                     f"step): at most {footprint.fmt_bytes(stored)} per chip while sampling")
     for e in sampler_exes + shared_exes:
         e.resident, e.shared_args = sb["total"] + ext_bytes + copies + stored, p_bytes
         exes.append(e)

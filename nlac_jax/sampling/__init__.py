@@ -128,8 +128,8 @@ Design
 
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, STOP_REASONS, TRACE_COUNTS, DecodeState, controls, decode_impl,
                                       prefill_impl)
-from nlac_jax.sampling.requests import (OVERFLOW_POLICIES, TrunkPlan, plan_trunks, prefix_to_share, shared_prefix_length,
-                                        trunk_grid)
+from nlac_jax.sampling.requests import (OVERFLOW_POLICIES, TrunkPlan, plan_from_trunks, plan_trunks, prefix_to_share,
+                                        shared_prefix_length, trunk_grid)
 from nlac_jax.sampling.output import GenerateOutput
 from nlac_jax.sampling.sampler import Sampler, generate, get_sampler
 from nlac_jax.sampling.select import filter_logits, select_tokens, top_k_mask, top_p_mask
@@ -137,7 +137,7 @@ from nlac_jax.sampling.stop_strings import (cut_text, decode_text, device_stop_t
                                             stop_string_table, token_bytes)
 
 __all__ = [
-    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length", "prefix_to_share", "plan_trunks", "TrunkPlan", "trunk_grid",
+    "GenerateOutput", "Sampler", "generate", "get_sampler", "OVERFLOW_POLICIES", "shared_prefix_length", "prefix_to_share", "plan_trunks", "plan_from_trunks", "TrunkPlan", "trunk_grid",
     "STOP_REASONS", "TRACE_COUNTS", "DecodeState", "controls", "prefill_impl", "decode_impl", "MIN_STOP_SLOTS",
     "select_tokens", "filter_logits", "top_k_mask", "top_p_mask",
     "token_bytes", "stop_string_table", "device_stop_table", "host_stop_string_cut", "cut_text", "decode_text",

@@ -106,15 +106,16 @@ def prefix_impl(cfg: ModelConfig, params, ids, mask, *, cache_len: int) -> dict:
 
 
 def fit_impl(cache: dict, *, cache_len: int) -> dict:
-    """A prefix cache (`prefix_impl` at exactly its P tokens' slots) in `cache_len` >= P slots: the slot axis
-    zero-padded (masked, never read), its index and its keys and values unchanged. The sampler keeps prefixes at
-    their own length across calls and fits them to each call's cache here: a copy, no model work."""
+    """A start cache (a common prefix: `prefix_impl`; trunks: `trunk_impl`) in `cache_len` slots: the slot axis
+    zero-padded (masked, never read) or cut, its index and its keys and values unchanged. The sampler keeps start
+    caches across calls at their filled length (the cut: `cache_len` >= the cache's index, the caller's contract)
+    and fits them to each call's cache length: a copy, no model work."""
     TRACE_COUNTS["fit"] += 1
     pad = cache_len - cache["mask"].shape[-1]
-    if pad < 0:
-        raise ValueError(f"fit_impl: a prefix of {cache['mask'].shape[-1]} slots does not fit {cache_len}")
 
     def slots(a, axis):  # k, v: [..., K, S, D] (slot axis -2); mask: [B, S] (slot axis -1)
+        if pad < 0:
+            return lax.slice_in_dim(a, 0, cache_len, axis=a.ndim + axis)
         widths = [(0, 0)] * a.ndim
         widths[axis] = (0, pad)
         return jnp.pad(a, widths)

@@ -222,6 +222,29 @@ def plan_trunks(rests: Sequence[list], width: int, minimum: int, used: Sequence[
     return best
 
 
+def plan_from_trunks(rests: Sequence[list], trunks: Sequence[Sequence[int]], width: int,
+                     trunk_width: int) -> TrunkPlan | None:
+    """A plan over trunks an earlier call computed (the rows of its trunk cache, `trunk_width` slots each, after the
+    same common prefix under the same parameters): each prompt takes the row it shares the most with, keeping at
+    least one token of its own. Nothing is prefilled for the trunks, so the plan's cost is each prompt's remaining
+    rest (`TrunkPlan.tokens` minus the trunks). None when the trunks leave no slot (`trunk_width` >= `width`, this
+    call's rest slots) or some prompt's remaining rest does not fit the slots they leave."""
+    if trunk_width >= width or not trunks:
+        return None
+    arrs = [np.asarray(t, np.int64) for t in trunks]
+    keep = np.zeros(len(rests), np.int64)
+    group = np.zeros(len(rests), np.int32)
+    for i, r in enumerate(rests):
+        ri = np.asarray(r, np.int64)
+        best = [min(common_prefix_length(ri, t), len(r) - 1) for t in arrs]
+        group[i] = int(np.argmax(best))
+        keep[i] = max(best[group[i]], 0)
+    if max(len(r) - int(k) for r, k in zip(rests, keep)) > width - trunk_width:
+        return None
+    return TrunkPlan(trunks=tuple(tuple(t) for t in trunks), group=group, keep=keep.astype(np.int32),
+                     width=int(trunk_width))
+
+
 def _plan_groups(rests, arrs, groups, width, minimum, used, min_gain, max_trunks) -> TrunkPlan | None:
     """`plan_trunks` for given groups (lists of prompt indices, two or more each)."""
     U = len(rests)

@@ -26,7 +26,8 @@ from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state, fit_impl,
                                       prefill_impl, prefix_impl, refill_impl, trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
-                                        plan_trunks, prefix_to_share, shared_prefix_length, stop_table, trunk_grid)
+                                        plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length,
+                                        stop_table, trunk_grid)
 from nlac_jax.sampling.output import GenerateOutput, finish_rows
 from nlac_jax.sampling.slots import pad_rows, run_slots
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
@@ -75,8 +76,12 @@ class Sampler:
         # role's call starts with the environment's system prompt, and a rollout's turns too. Kept at the prefix's
         # own length and fitted to each call's cache length (`fit_impl`: a copy), so which call hits the store
         # never changes what is compiled. `release()` empties it, as it drops the trees it was computed from.
+        # With trunk_rows, as many trunk sets are kept too: a call whose prompts share more with an earlier call's
+        # trunks (same tree, same common prefix; in a targets phase, the same episodes' transcripts read by another
+        # role) than its own trunks would save starts from them (`requests.plan_from_trunks`) and prefills none.
         self.prefix_store = max(0, int(prefix_store))
         self._stored: list = []  # [(leaf ids, parameter tree, prefix tokens, cache)], newest first
+        self._trunk_sets: list = []  # [(leaf ids, tree, prefix tokens, trunk tokens, width, cache)], newest first
         self._prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
         # trunk_rows: > 0 shares more than the common prefix: prompts whose rests share at least `min_trunk` more
         # tokens form groups (at most trunk_rows, those that save the most), each prefilled once up to its longest
@@ -210,7 +215,7 @@ class Sampler:
         next parameter update makes them stale, and they would otherwise stay in device memory beside it. The
         stored prefix caches (`prefix_store`) go with them."""
         self._layouts = []
-        self._stored = []
+        self._stored, self._trunk_sets = [], []
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
@@ -332,8 +337,7 @@ class Sampler:
         one path, so the executables a call runs do not depend on what the store holds."""
         if not prefix:
             return None, 0
-        ids_ = tuple(map(id, jax.tree.leaves(params)))
-        tokens = tuple(prefix)
+        ids_, tokens = _tree_ids(params), tuple(prefix)
         for i, (known, _tree, toks, cache) in enumerate(self._stored):
             # the entry holds its tree, so its leaves' ids cannot have been reused by other arrays
             if known == ids_ and toks == tokens:
@@ -376,14 +380,51 @@ class Sampler:
             if grid:  # one run on placeholder rows: a trunks' cache exactly as the prefill will be given one
                 fresh = (grid, self.trunk(params, *self.device_rows(*pad_rows([], G, grid[0])), start,
                                           cache_len=cache_len), cache)
+                if self.prefix_store:  # kept trunks are cut to their filled slots and fitted back, at every width
+                    for w in grid:
+                        self.fit(self.fit(fresh[1], cache_len=shared + w), cache_len=cache_len)
         grid = self._trunk_widths[(Tb, Nb, shared)]
         plan = plan_trunks(rests, width, self.min_trunk, grid, max_trunks=G) if grid else None
+        kept = self._kept_trunks(params, prompts[0][:shared], rests, width, grid, plan)
+        if kept is not None:  # an earlier call's trunks leave less to prefill: start from them
+            old, trunks = kept
+            return (old.rests(rests), width - old.width, self.fit(trunks, cache_len=cache_len), old.group,
+                    keep + old.keep, shared, computed, fresh)
         if plan is None:
             return rests, width, cache, None, keep, shared, computed, fresh
         ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
         cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
+        if self.prefix_store:  # kept at the slots it fills (common prefix + trunk width) and fitted back
+            cut = self.fit(cache, cache_len=shared + plan.width)
+            self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]), plan.trunks, plan.width,
+                                 cut)] + self._trunk_sets[:self.prefix_store - 1]
+            cache = self.fit(cut, cache_len=cache_len)
         return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
                 computed + sum(map(len, plan.trunks)), fresh)
+
+    def _kept_trunks(self, params, prefix, rests, width: int, grid, plan):
+        """(the plan over kept trunks, their cut cache) when one of `_trunk_sets` (same parameter tree and common
+        `prefix`, a trunk width of this call's `grid`: its prefill is compiled) leaves no more to prefill than
+        `plan` (this call's own trunks, or None) would with its trunks; the kept set becomes the newest. Else None."""
+        if not self._trunk_sets:
+            return None
+        ids_, prefix = _tree_ids(params), tuple(prefix)
+        cost = plan.tokens(rests) if plan is not None else sum(map(len, rests))
+        best = None
+        for i, (known, _tree, toks, trunks, w, cut) in enumerate(self._trunk_sets):
+            if known != ids_ or toks != prefix or w not in grid:
+                continue
+            old = plan_from_trunks(rests, trunks, width, w)
+            if old is None:
+                continue
+            c = sum(len(r) - int(k) for r, k in zip(rests, old.keep))  # the kept trunks cost nothing
+            if c <= cost:
+                cost, best = c, (i, old, cut)
+        if best is None:
+            return None
+        i, old, cut = best
+        self._trunk_sets.insert(0, self._trunk_sets.pop(i))
+        return old, cut
 
     def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
         """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
@@ -481,6 +522,12 @@ class Sampler:
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}
+
+
+def _tree_ids(tree) -> tuple:
+    """The ids of a parameter tree's leaves: what the store matches a tree by (an entry holds its tree, so the ids
+    cannot be reused by other arrays while it is kept)."""
+    return tuple(map(id, jax.tree.leaves(tree)))
 
 
 _SAMPLERS: dict = {}

@@ -297,6 +297,53 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
         np.testing.assert_array_equal(out.tokens, plain.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=()).tokens)
 
 
+def test_kept_trunks_serve_a_later_call_over_the_same_episodes(qwen):
+    """Two role calls over the same episodes' states (a targets phase: the same transcripts, each role's own tail):
+    the second starts from the first call's trunks (kept, prefix_store) and prefills only what its prompts do not
+    share with them, by hand; greedy tokens equal the unshared path and transformers; a sampler that keeps nothing
+    plans its own trunks; which call reuses never compiles anything new."""
+    hm, m = qwen
+    rng = np.random.RandomState(11)
+    head = rng.randint(3, VOCAB - 3, PREFIX).tolist()
+    transcripts = [[3 + ep] + rng.randint(3, VOCAB - 3, 70).tolist() for ep in range(2)]
+
+    def role(tag, own):  # role tags (VOCAB - 1 - tag) never equal a transcript token (at most VOCAB - 4)
+        return [head + transcripts[ep][:cut] + [VOCAB - 1 - tag] + rng.randint(3, VOCAB - 3, own).tolist()
+                for ep, cuts in enumerate(((20, 45, 70), (30, 52))) for cut in cuts]
+    first, second = role(0, 6), role(1, 9)
+    keeps, store = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16), \
+        sampling.Sampler(m.config, trunk_rows=4, min_trunk=16, prefix_store=0)
+    plain = sampling.Sampler(m.config, min_shared_prefix=0)
+    kw = dict(max_new_tokens=16, stop_token_ids=())
+    a, a0 = keeps.generate(m.params, first, **kw), store.generate(m.params, first, **kw)
+    assert a.prefill_tokens == a0.prefill_tokens  # nothing kept yet: the same plan
+    _assert_same(a, plain.generate(m.params, first, **kw))
+    # the first call's trunks (its rests 27 / 52 / 77 and 37 / 59 tokens after the head, each cut to its group's
+    # longest kept prefix, the width rounded down to the grid: 64): episode 0's is its transcript's first 64
+    # tokens, episode 1's its transcript's first 52, the first role's tag and 5 of its own. The second role's
+    # prompts keep 20 / 45 / 64 and 30 / 52 of them, so they prefill 10 / 10 / 16 and 10 / 10 tokens; the head is
+    # kept too (prefix_store)
+    b, b0 = keeps.generate(m.params, second, **kw), store.generate(m.params, second, **kw)
+    assert b.shared_prefix == PREFIX and b.prefill_tokens == 10 + 10 + 16 + 10 + 10
+    assert b0.prefill_tokens > PREFIX + 56  # its own trunks, and the head again
+    ref = plain.generate(m.params, second, **kw)
+    _assert_same(b, ref)
+    _assert_same(b0, ref)
+    np.testing.assert_array_equal(b.tokens, hf_greedy(hm, second, 16))
+    # the first role again: its own trunks are still kept; its prompts keep 20 / 45 / 64 and 30 / 58 of them
+    compilations.install()
+    before = compilations.snapshot()
+    c = keeps.generate(m.params, first, **kw)
+    assert not compilations.since(before), compilations.since(before)
+    assert c.prefill_tokens == 7 + 7 + 13 + 7 + 1
+    np.testing.assert_array_equal(c.tokens, a.tokens)
+    # another parameter tree finds nothing kept for it
+    other = jax.tree.map(lambda x: x * 1.01, m.params)
+    d = keeps.generate(other, second, **kw)
+    assert d.prefill_tokens == b0.prefill_tokens
+    np.testing.assert_array_equal(d.tokens, plain.generate(other, second, **kw).tokens)
+
+
 @pytest.mark.slow
 def test_trunks_on_eight_devices_equal_one(qwen):
     _, m = qwen
