@@ -173,10 +173,11 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     the common prefix prefilled once on D data-parallel rows (`Sampler.prefix`, at the longest prefix the bucket can
     share: the most activations) and fitted to the call's cache (`Sampler.fit`), the prefill of every prompt's rest
     from that prefix cache (at the shortest shared prefix, `min_shared_prefix`: the widest rests); with
-    `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid) and the prefill from the trunks' cache (at the narrowest trunk: the widest rests).
-    The start caches are arguments of the executables that read them, so their bytes are in the table; what is not
-    planned: continuous batching's refill (the loop does not use it). [] when the sampler shares nothing here (no
-    minimum, a sliding-window config, or a bucket too short for any prefix)."""
+    `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid) and the prefill from the
+    trunks' cache (at the narrowest trunk: the widest rests). The start caches are arguments of the executables
+    that read them, so their bytes are in the table; what is not planned: continuous batching's refill (the loop
+    does not use it). [] when the sampler shares nothing here (no minimum, a sliding-window config, or a bucket too
+    short for any prefix)."""
     import jax
     import jax.numpy as jnp
     shortest = sampler.min_shared_prefix
@@ -469,9 +470,12 @@ def iteration_estimate(slc: tpu_specs.Slice, cfg, mesh) -> tuple:
               f"no trunks (they need LoopConfig.sampler_trunk_rows > 0, now {loop.sampler_trunk_rows}, and "
               f"LoopConfig.buffer_episode_blocks > 1, now {loop.buffer_episode_blocks}: uniform draws from the buffer "
               f"rarely share an episode)")
-    return work, rows, (f"the per-iteration estimate's shared column is what the sampler's per-call shared prefix "
-                        f"(LoopConfig.sampler_shared_prefix = {loop.sampler_shared_prefix}), {trunks}, and train-row "
-                        f"packing (LoopConfig.share_prefixes = {loop.share_prefixes}) compute")
+    store = (f"kept across calls, once per parameter set (LoopConfig.sampler_prefix_store = "
+             f"{loop.sampler_prefix_store}; kept trunks reused by a later call are not modelled: an upper bound)"
+             if loop.sampler_prefix_store else "once per call (LoopConfig.sampler_prefix_store = 0)")
+    return work, rows, (f"the per-iteration estimate's shared column is what the sampler's shared prefix "
+                        f"(LoopConfig.sampler_shared_prefix = {loop.sampler_shared_prefix}; {store}), {trunks}, and "
+                        f"train-row packing (LoopConfig.share_prefixes = {loop.share_prefixes}) compute")
 
 
 # ----------------------------------------------------------------------------- the judge server's plan (--serve)

@@ -78,8 +78,16 @@ Design
   following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
   compiled at the same buckets when one is within 3/4 of the common prefix: few, sticky shapes (the loop's
   no-recompilation test holds). The decode executables are the unshared path's (same cache length). Not for
-  sliding-window configs (their window is measured in slots). Not yet across calls. `GenerateOutput.shared_prefix`
-  / `prefill_tokens` say what a call shared and computed.
+  sliding-window configs (their window is measured in slots). `GenerateOutput.shared_prefix` / `prefill_tokens`
+  say what a call shared and computed.
+* Across calls (`Sampler(prefix_store=4)`, the default): the last 4 common prefixes (and, with trunks, trunk
+  sets) are kept with the parameter tree they were computed under, at their filled slots. A later call with the
+  same common prefix under the same tree (an NLAC targets phase: every role's call starts with the environment's
+  system prompt; a rollout: every turn) prefills none of it, and one whose prompts share more with kept trunks
+  than its own trunks would save (another role over the same episodes' states) starts from them
+  (`requests.plan_from_trunks`). Kept caches are fitted to each call's cache length (`decode.fit_impl`, a copy),
+  whether kept or just computed, so hits never change what is compiled. `release()` empties the store (the loop
+  does, before each train step).
 * Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
   groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and

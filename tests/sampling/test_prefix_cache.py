@@ -253,6 +253,23 @@ def test_plan_trunks_by_hand():
     assert sampling.plan_trunks(three + [lone], width=128, minimum=16, max_trunks=1).width == 32  # no row to spare
 
 
+def test_plan_from_kept_trunks_by_hand():
+    """Another call's prompts over kept trunks: each takes the trunk it shares the most with (at least one token of
+    its own left); the plan is refused when a remaining rest does not fit the slots the trunks leave."""
+    a, b = list(range(10, 110)), list(range(200, 300))
+    kept = (tuple(a[:96]), tuple(b[:90] + [8]))  # test_plan_trunks_by_hand's trunks, width 96
+    rests = [a[:30] + [50, 51], b[:90] + [8, 9], a[:96], [400, 401, 402]]
+    plan = sampling.plan_from_trunks(rests, kept, width=128, trunk_width=96)
+    assert plan.group.tolist()[:3] == [0, 1, 0] and plan.keep.tolist() == [30, 91, 95, 0]
+    assert plan.width == 96 and plan.rests(rests) == [[50, 51], [9], [a[95]], [400, 401, 402]]
+    # nothing is prefilled for kept trunks: the call's cost is what remains
+    assert sum(len(r) - k for r, k in zip(rests, plan.keep.tolist())) == 2 + 1 + 1 + 3
+    # a prompt sharing nothing must fit the 128 - 96 slots whole: 33 tokens do not
+    assert sampling.plan_from_trunks(rests + [list(range(500, 533))], kept, 128, 96) is None
+    assert sampling.plan_from_trunks(rests + [list(range(500, 532))], kept, 128, 96) is not None
+    assert sampling.plan_from_trunks(rests, kept, width=96, trunk_width=96) is None  # no slot left
+
+
 @pytest.mark.slow
 def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
     """trunk_rows: each episode's states prefilled once up to its longest state, every prompt only its own rest:
