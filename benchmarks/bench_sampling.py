@@ -255,7 +255,8 @@ def shared_prefill_rows(args, m, hm, sampler, batches, dtype) -> list[dict]:
 
 def shared_prefix_rows(args, m, hm, batches, dtype) -> list[dict]:
     """Seconds per `generate` call for B prompts sharing an args.shared_prefix-token prefix (each with its own
-    args.suffix_len tokens): ours through the public API (the prefix cache finds the prefix), ours with sharing off,
+    args.suffix_len tokens): ours through the public API (the prefix cache finds the prefix within the call; the
+    prefix store is emptied before each call, so no call reuses the last one's prefix), ours with sharing off,
     transformers generate on the same (equal-length, unpadded) prompts; greedy, interleaved, best of repeats."""
     import torch
     from nlac_jax import sampling
@@ -269,8 +270,10 @@ def shared_prefix_rows(args, m, hm, batches, dtype) -> list[dict]:
         plain = sampling.Sampler(m.config, min_shared_prefix=0)
         ti = torch.tensor(prompts)
         res = {}
-        runs = {"ours": lambda: sampling.generate(m, prompts, **kw), "plain": lambda: plain.generate(m.params, prompts,
-                                                                                                      **kw)}
+        def ours():
+            sampling.get_sampler(m.config).forget_prefixes()  # one call's sharing, as transformers gets none across
+            return sampling.generate(m, prompts, **kw)
+        runs = {"ours": ours, "plain": lambda: plain.generate(m.params, prompts, **kw)}
         if not args.no_hf:
             def hf():
                 with torch.no_grad():

@@ -215,6 +215,12 @@ class Sampler:
         next parameter update makes them stale, and they would otherwise stay in device memory beside it. The
         stored prefix caches (`prefix_store`) go with them."""
         self._layouts = []
+        self.forget_prefixes()
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix store (`prefix_store`: kept prefixes and trunk sets), keeping the run-layout trees: the
+        next call computes every prefix it shares (e.g. a benchmark that times one call, not a call after its
+        twin)."""
         self._stored, self._trunk_sets = [], []
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:

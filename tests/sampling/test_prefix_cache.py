@@ -187,9 +187,11 @@ def test_prefix_store_reuses_a_prefix_across_calls_under_the_same_parameters(qwe
     # both trees' prefixes are then held (4 entries), so the last two calls reuse
     assert hits == [False, True, False, True, True]
     assert store.cache_sizes() == none.cache_sizes() and store.cache_sizes()["fit"] == 2
-    store.release()
-    out = store.generate(m.params, second, max_new_tokens=40, stop_token_ids=())
-    assert out.prefill_tokens == PREFIX + sum(len(p) - PREFIX for p in second)
+    rests = sum(len(p) - PREFIX for p in second)
+    for empty in (store.forget_prefixes, store.release):  # the store only / the store and the run-layout trees
+        empty()
+        assert store.generate(m.params, second, max_new_tokens=40, stop_token_ids=()).prefill_tokens == PREFIX + rests
+        assert store.generate(m.params, second, max_new_tokens=40, stop_token_ids=()).prefill_tokens == rests
 
 
 # ----------------------------------------------------------------------------------- trunks (a prefix tree per call)
