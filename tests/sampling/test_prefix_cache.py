@@ -153,6 +153,7 @@ def test_shared_prefix_length_rules(qwen):
 
 # ----------------------------------------------------------------------------------- the store across calls
 
+@pytest.mark.slow
 def test_prefix_store_reuses_a_prefix_across_calls_under_the_same_parameters(qwen):
     """A shared prefix computed in one call is reused by a later call with the same prefix tokens and parameter
     tree, at another cache length (another new-token bucket); other parameters, `release()` and prefix_store=0
@@ -316,6 +317,7 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
         np.testing.assert_array_equal(out.tokens, plain.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=()).tokens)
 
 
+@pytest.mark.slow
 def test_kept_trunks_serve_a_later_call_over_the_same_episodes(qwen):
     """Two role calls over the same episodes' states (a targets phase: the same transcripts, each role's own tail):
     the second starts from the first call's trunks (kept, prefix_store) and prefills only what its prompts do not
