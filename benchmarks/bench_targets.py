@@ -201,7 +201,10 @@ def time_targets_phase(calls, tokenizer, a) -> dict:
                              head_dim=a.hidden // a.heads, dtype="bfloat16", param_dtype="float32",
                              max_position_embeddings=4 * a.max_len)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    trees = {"policy": models.init_params(cfg, seed=0), "target": models.init_params(cfg, seed=1)}
+    # placed on the mesh once, as the loop's θ and θ̄ live there: a tree placed at every call would be a new tree
+    # each time (no run-layout copy or kept prefix would be found for it)
+    trees = {k: jax.device_put(models.init_params(cfg, seed=s), models.param_shardings(cfg, mesh))
+             for k, s in (("policy", 0), ("target", 1))}
     budget = {r: len(tokenizer.encode(t)) for r, t in scripted_texts().items()}
     replay = [([text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in c.messages_batch], c.n,
                budget[c.role], trees[c.params]) for c in calls]

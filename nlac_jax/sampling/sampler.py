@@ -76,6 +76,8 @@ class Sampler:
         # role's call starts with the environment's system prompt, and a rollout's turns too. Kept at the prefix's
         # own length and fitted to each call's cache length (`fit_impl`: a copy), so which call hits the store
         # never changes what is compiled. `release()` empties it, as it drops the trees it was computed from.
+        # Trees are matched by identity: with a mesh, pass them already laid out (`models.param_shardings`, as the
+        # loop's θ and θ̄ are); a tree the call has to place is a new tree at every call and finds nothing kept.
         # With trunk_rows, as many trunk sets are kept too: a call whose prompts share more with an earlier call's
         # trunks (same tree, same common prefix; in a targets phase, the same episodes' transcripts read by another
         # role) than its own trunks would save starts from them (`requests.plan_from_trunks`) and prefills none.
