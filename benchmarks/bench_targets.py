@@ -95,8 +95,8 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
                 if entry[:2] != key:
                     continue
                 old = plan_from_trunks(rests, entry[2], width, entry[3])
-                if old is not None and old.tokens(rests) - sum(map(len, old.trunks)) <= cost:
-                    cost, reused = old.tokens(rests) - sum(map(len, old.trunks)), entry
+                if old is not None and old.rest_tokens(rests) <= cost:
+                    cost, reused = old.rest_tokens(rests), entry
             if reused is not None:
                 trunk_sets.remove(reused)
                 trunk_sets.insert(0, reused)

@@ -190,7 +190,7 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
         # calls that compute the head: each, or, with a prefix store, the first under each parameter set (the
         # store is emptied before the train step; the other phases' calls all start with the same head)
         head_calls = n_calls
-        if getattr(loop, "sampler_prefix_store", 0):
+        if loop.sampler_prefix_store:
             head_calls = 0 if (c.params, shared) in held else 1
             held.add((c.params, shared))
         plain = c.prompts * _prefill_flops(cfg, c.length, 0)

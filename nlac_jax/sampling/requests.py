@@ -167,7 +167,11 @@ class TrunkPlan:
 
     def tokens(self, rests: Sequence[list]) -> int:
         """Tokens this plan prefills: every trunk once, every prompt's remaining rest once."""
-        return sum(map(len, self.trunks)) + sum(len(r) - int(k) for r, k in zip(rests, self.keep))
+        return sum(map(len, self.trunks)) + self.rest_tokens(rests)
+
+    def rest_tokens(self, rests: Sequence[list]) -> int:
+        """The prompts' remaining rests only: what a plan over kept trunks (`plan_from_trunks`) prefills."""
+        return sum(len(r) - int(k) for r, k in zip(rests, self.keep))
 
 
 def trunk_grid(minimum: int, width: int) -> list[int]:
@@ -227,7 +231,7 @@ def plan_from_trunks(rests: Sequence[list], trunks: Sequence[Sequence[int]], wid
     """A plan over trunks an earlier call computed (the rows of its trunk cache, `trunk_width` slots each, after the
     same common prefix under the same parameters): each prompt takes the row it shares the most with, keeping at
     least one token of its own. Nothing is prefilled for the trunks, so the plan's cost is each prompt's remaining
-    rest (`TrunkPlan.tokens` minus the trunks). None when the trunks leave no slot (`trunk_width` >= `width`, this
+    rest (`TrunkPlan.rest_tokens`). None when the trunks leave no slot (`trunk_width` >= `width`, this
     call's rest slots) or some prompt's remaining rest does not fit the slots they leave."""
     if trunk_width >= width or not trunks:
         return None

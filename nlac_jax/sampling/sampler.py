@@ -425,7 +425,7 @@ class Sampler:
             old = plan_from_trunks(rests, trunks, width, w)
             if old is None:
                 continue
-            c = sum(len(r) - int(k) for r, k in zip(rests, old.keep))  # the kept trunks cost nothing
+            c = old.rest_tokens(rests)  # the kept trunks cost nothing
             if c <= cost:
                 cost, best = c, (i, old, cut)
         if best is None:

@@ -16,7 +16,7 @@ W = iteration.Workload(shared_tokens=100, turns=3, turn_tokens=10, role_tokens=5
                        summary_tokens=4, critique_tokens=3)
 LOOP = types.SimpleNamespace(episodes_per_iteration=2, critic_examples=3, policy_examples=2, sampler_max_batch=4,
                              max_len=128, batch_size=2, buffer_episode_blocks=1, sampler_trunk_rows=0,
-                             sampler_shared_prefix=64)
+                             sampler_shared_prefix=64, sampler_prefix_store=0)
 CFG = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, dtype="float32")
 
