@@ -156,7 +156,7 @@ def forecast_reply(text: str) -> Optional[str]:
 
 
 def critique(state: Sequence[dict], action: str, future_text: str, n: int,
-             judge_range: bool = False) -> tuple[str, bool, str]:
+             judge_range: bool = False, judge_single: bool = False) -> tuple[str, bool, str]:
     """The scripted evaluator and refiner: (critique, verdict, refined guess), from the PUBLIC state and the
     forecast only. A forecast reply "no answer" means the guess is wasted: move it to a neighbour (the guess + 1,
     or - 1 when + 1 is above the possible range); "error" means it is not a number: try the middle of the range.
@@ -164,7 +164,10 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int,
 
     judge_range: a guess outside the public "Possible now" interval (a repeat of an answered guess is one) is
       suboptimal whatever the forecast says: "Guess 22 is outside 23 to 29: try 26." (the middle). This reads only
-      the public state line the policy reads too: a skill, no knowledge of any waste rule."""
+      the public state line the policy reads too: a skill, no knowledge of any waste rule.
+    judge_single: where "Possible now" is one number, guessing it is optimal whatever the forecast says ("Guess 15
+      is the only number possible."), and any other number is outside ("Guess 14 is outside 15 to 15: try 15."):
+      the hidden number is always answered "correct", in every game, so this too reads only the public state."""
     lo, hi, _, _ = consistent_interval(state, n)
     word = forecast_reply(future_text) or "unknown"
     g = parse_guess(action)
@@ -173,7 +176,9 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int,
         shown = " ".join(str(action).split())[:20] or "(empty)"
         better = str((lo + hi) // 2)
         return f"{head} Guess {shown} is not a number: try {better}.\nVerdict: suboptimal", False, better
-    if judge_range and not lo <= g <= hi and lo <= hi:
+    if judge_single and lo == hi and g == lo:
+        return f"{head} Guess {g} is the only number possible.\nVerdict: optimal", True, str(g)
+    if (judge_range or (judge_single and lo == hi)) and not lo <= g <= hi and lo <= hi:
         better = str((lo + hi) // 2)
         return f"{head} Guess {g} is outside {lo} to {hi}: try {better}.\nVerdict: suboptimal", False, better
     if word == WASTED_REPLY:
@@ -191,8 +196,8 @@ def _env(n: int, max_turns: Optional[int], waste_every: int = 0, wasted: Sequenc
 
 
 def _judge_examples(ps: PromptSet, n: int, task: Task, state: list, action: str, future_text: str,
-                    meta: dict, judge_range: bool = False) -> list[CorpusExample]:
-    text, verdict, refined = critique(state, action, future_text, n, judge_range)
+                    meta: dict, judge_range: bool = False, judge_single: bool = False) -> list[CorpusExample]:
+    text, verdict, refined = critique(state, action, future_text, n, judge_range, judge_single)
     lo, hi, _, _ = consistent_interval(state, n)
     g = parse_guess(action)
     m = dict(meta, verdict=verdict, refined=refined, out_of_range=g is not None and not lo <= g <= hi)
@@ -231,6 +236,36 @@ def skill_episode(task: Task, n: int, seed: int, ep: int, skill_waste_p: float =
     return env, rng, play_episode(env, task, _chooser(n, rng, jitter))
 
 
+def endgame_episode(task: Task, n: int, seed: int, ep: int, waste_p: float = 0.35, jitter: float = 0.25,
+                    max_turns: Optional[int] = None
+                    ) -> Optional[tuple[GuessNumberEnv, random.Random, list[Transition], int]]:
+    """Endgame episode ``ep`` of corpus seed ``seed`` (the ``endgame_episodes`` of :func:`build_forecast_examples`):
+    a game with its own random waste set (every number with ``waste_p``), played by a scripted cornering behaviour
+    that guesses, near the middle of the public range (jittered), numbers the game answers other than the target,
+    until the range is the target alone, then guesses it. Returns (env, the RNG that continues the episode's
+    stream, the Transitions, the cornered step t: ``Possible now`` is one number and a_t guesses it), or None when
+    the episode wins or ends before it corners the target. The behaviour knows the target and the waste set; the
+    states it reaches are public transcripts like any other."""
+    rng = random.Random(f"toy-forecast-endgame:{seed}:{ep}")
+    env = _env(n, max_turns, 0, [x for x in range(1, n + 1) if rng.random() < waste_p])
+    target = int(task.payload["target"])
+
+    def act(history: list) -> str:
+        lo, hi, _, _ = consistent_interval(history, n)
+        spared = [x for x in range(lo, hi + 1) if x != target and not env.wasted(x)]
+        if lo >= hi or not spared:
+            return str(target)
+        mid = (lo + hi) / 2 + rng.uniform(-jitter, jitter) * (hi - lo)
+        return str(min(spared, key=lambda x: (abs(x - mid), x)))
+
+    traj = play_episode(env, task, act)
+    for t, tr in enumerate(traj):
+        lo, hi, _, _ = consistent_interval(tr.state, n)
+        if lo == hi == target and parse_guess(tr.action) == target and tr.success:
+            return env, rng, traj, t
+    return None
+
+
 def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_episodes: int, seed: int,
                             corpus_waste_every: int = 2, skill_waste_p: float = 0.35, jitter: float = 0.25,
                             max_turns: Optional[int] = None, p_non_number: float = 0.02,
@@ -238,7 +273,8 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                             target_cfg: Optional[TargetConfig] = None,
                             corpus_waste_p: Optional[float] = None,
                             p_out_of_range: float = 0.0,
-                            corpus_wasted_numbers: Sequence[int] = ()) -> list[CorpusExample]:
+                            corpus_wasted_numbers: Sequence[int] = (),
+                            endgame_episodes: int = 0) -> list[CorpusExample]:
     """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
 
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
@@ -255,6 +291,13 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     p_out_of_range: > 0 turns on the range critique (:func:`critique`'s ``judge_range``) and makes each skill-game
       alternative, with this probability, a guess outside the possible range (half of them a repeat of an answered
       guess when there is one), so the evaluator sees what it judges. 0: the waste-only critique.
+    endgame_episodes: > 0 turns on the single-number critique (:func:`critique`'s ``judge_single``, in the skill
+      games too) and adds this many :func:`endgame_episode` games (random waste sets, the TRAIN tasks; ``game``
+      "skill", ``source`` "endgame"). At each one's cornered state: a policy example (guess the one number), the
+      successor's real forecast for it, and evaluator + refiner examples for it (with its real forecast and with a
+      forecast of "no answer": the verdict reads the public range, not the forecast) and for one other number (its
+      counterfactual future). What it teaches holds in every game: the hidden number is always answered. 0: no
+      such games, and the corpora of earlier runs stay bit-identical.
     """
     if corpus_waste_p is not None and corpus_wasted_numbers:
         raise ValueError("forecast_corpus: corpus_wasted_numbers lists a rule and corpus_waste_p asks for none; "
@@ -283,7 +326,7 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
             assert cf[t].state == tr.state  # deterministic env: same prefix, same state
             out.append(CorpusExample("successor", ps.successor(tr.state, alt), forecast(cf[t:], ps, cfg), task.id,
                                      tr.state, alt, dict(meta, source="alternative", terminal=cf[t].done)))
-    judge_range = p_out_of_range > 0
+    judge_range, judge_single = p_out_of_range > 0, endgame_episodes > 0
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-skill", seed).take(max(skill_episodes, 0))):
         env, rng, traj = skill_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
         summaries = [forecast(traj[t:], ps, cfg) for t in range(len(traj))]
@@ -293,14 +336,35 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                         episode_length=len(traj))
             if not tr.done:
                 out.append(backup_example(ps, cfg, traj, summaries, t, task.id, meta))
-            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range)
+            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range, judge_single)
             alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range)
             cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
             cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
             ameta = dict(meta, source="alternative")
             if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
                 out.append(backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
-            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range)
+            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range, judge_single)
+    for ep, task in enumerate(TaskCursor(list(tasks), "forecast-endgame", seed).take(max(endgame_episodes, 0))):
+        got = endgame_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
+        if got is None:
+            continue
+        env, rng, traj, t = got
+        tr, actions = traj[t], [x.action for x in traj]
+        meta = dict(episode=ep, step=t, game="skill", source="endgame", episode_success=True,
+                    episode_length=len(traj))
+        d_t = forecast(traj[t:], ps, cfg)
+        out.append(CorpusExample("policy", ps.policy(tr.state), tr.action, task.id, tr.state, "", dict(meta)))
+        out.append(CorpusExample("successor", ps.successor(tr.state, tr.action), d_t, task.id, tr.state,
+                                 tr.action, dict(meta, terminal=True)))
+        out += _judge_examples(ps, n, task, tr.state, tr.action, d_t, meta, judge_range, True)
+        wrong = outcome_line(False, 0.0) + f"\nReply: {WASTED_REPLY}."
+        out += _judge_examples(ps, n, task, tr.state, tr.action, wrong, dict(meta, source="endgame_no_answer"),
+                               judge_range, True)
+        # every other number is outside the range: a repeat of an answered guess half the time when there is one
+        alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range=1.0)
+        cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
+        out += _judge_examples(ps, n, task, tr.state, alt, forecast(cf[t:], ps, cfg),
+                               dict(meta, source="endgame_alternative"), judge_range, True)
     return out
 
 
@@ -319,13 +383,14 @@ def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200,
                     skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
                     task_source: Optional[GuessNumberTaskSource] = None,
                     corpus_waste_p: Optional[float] = None, p_out_of_range: float = 0.0,
-                    corpus_wasted_numbers: Sequence[int] = ()) -> list[CorpusExample]:
+                    corpus_wasted_numbers: Sequence[int] = (), endgame_episodes: int = 0) -> list[CorpusExample]:
     """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
     no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
     return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
                                    corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
                                    jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p,
-                                   p_out_of_range=p_out_of_range, corpus_wasted_numbers=corpus_wasted_numbers)
+                                   p_out_of_range=p_out_of_range, corpus_wasted_numbers=corpus_wasted_numbers,
+                                   endgame_episodes=endgame_episodes)
 
 
 def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,
@@ -490,7 +555,7 @@ def rule_numbers(rule: str, n: int) -> tuple[int, ...]:
 
 
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
-_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside)")
+_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside|is the only)")
 
 
 def named_guess(critique_text: str) -> Optional[str]:

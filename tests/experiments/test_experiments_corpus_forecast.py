@@ -413,6 +413,65 @@ def test_endgame_states_by_hand():
     assert all(f"Possible now: {g} to {g}, 1 guesses left." in ps.policy(s)[-1]["content"] for g, s in mult3)
 
 
+def test_single_number_critique_by_hand():
+    """judge_single: after "16 lower, 8 higher, 12 lower, 10 higher" only 11 is possible (9..15 minus what the
+    replies exclude: 11 to 11 after "11" is bracketed by 10 and 12). Guessing 11 is optimal whatever the forecast
+    says (here "no answer"); any other number is outside and the refiner plays 11; off, the waste critique as
+    before (which, at the one possible number, keeps the guess as its own "better" one)."""
+    state = [{"role": "system", "content": "You have 6 guesses."}, {"role": "user", "content": "1 and 32."}]
+    for g, r in (("16", "lower"), ("8", "higher"), ("12", "lower"), ("10", "higher")):
+        state += [{"role": "assistant", "content": g}, {"role": "user", "content": r}]
+    assert consistent_interval(state, N)[:2] == (11, 11)
+    wasted = "Outcome: failure; Return: 0\nReply: no answer."
+    assert F.critique(state, "11", wasted, N, judge_single=True) == (
+        "Forecast reply: no answer. Guess 11 is the only number possible.\nVerdict: optimal", True, "11")
+    assert F.critique(state, "13", "Outcome: failure; Return: 0\nReply: lower.", N, judge_single=True) == (
+        "Forecast reply: lower. Guess 13 is outside 11 to 11: try 11.\nVerdict: suboptimal", False, "11")
+    assert F.critique(state, "11", wasted, N) == (
+        "Forecast reply: no answer. Guess 11 is wasted: try 11.\nVerdict: suboptimal", False, "11")
+    assert F.critique(state, "13", wasted, N, judge_single=True, judge_range=True)[1:] == (False, "11")
+    # a wider range: judge_single changes nothing
+    wide = state[:-2]
+    assert F.critique(wide, "11", wasted, N, judge_single=True) == F.critique(wide, "11", wasted, N)
+    assert F.named_guess("Forecast reply: correct. Guess 11 is the only number possible.") == "11"
+
+
+def test_endgame_episodes_corner_train_targets(source):
+    """endgame_episodes: each kept game corners its (train) target, the cornered state's examples are the policy
+    playing it, the successor's real forecast (a win), the evaluator approving it under its real forecast and
+    under a "no answer" one, and an outside number judged suboptimal with the refiner playing the target. Every
+    example of the ordinary corpus and skill games is unchanged except the critique's words at single-number
+    states; 0 keeps the corpus bit-identical."""
+    base = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source)
+    assert _key(base) == _key(F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source,
+                                                endgame_episodes=0))
+    ex = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source, endgame_episodes=60)
+    old, eg = ex[:len(base)], ex[len(base):]
+    assert all(e.meta["source"].startswith("endgame") and e.meta["game"] == "skill" for e in eg)
+    changed = [(a, b) for a, b in zip(base, old) if _key([a]) != _key([b])]
+    for a, b in changed:  # only critiques (and refinements) at a single-number state
+        lo, hi, _, _ = consistent_interval(a.state, N)
+        assert a.role in ("evaluator", "refiner") and lo == hi, (a.role, a.target_text, b.target_text)
+    held_out = {t.id for t in source.tasks("test")}
+    pol = [e for e in eg if e.role == "policy"]
+    assert len(pol) >= 15 and not {e.task_id for e in eg} & held_out
+    assert len({e.target_text for e in pol}) >= 5  # (this source's train targets are the odd numbers)
+    for p in pol:
+        lo, hi, left, _ = consistent_interval(p.state, N)
+        assert lo == hi == int(p.target_text) and left >= 1
+        group = [e for e in eg if e.task_id == p.task_id and e.meta["episode"] == p.meta["episode"]]
+        by = {(e.role, e.meta["source"]): e for e in group if e.role != "policy"}
+        assert parse_outcome(leading_outcome_line(by["successor", "endgame"].target_text)) == (True, 1.0)
+        for src in ("endgame", "endgame_no_answer"):
+            assert parse_verdict(by["evaluator", src].target_text) is True
+            assert by["refiner", src].target_text == p.target_text
+        assert "no answer" in by["evaluator", "endgame_no_answer"].prompt_messages[-1]["content"]
+        alt = by["evaluator", "endgame_alternative"]
+        assert parse_verdict(alt.target_text) is False and alt.action != p.target_text
+        assert f"is outside {lo} to {lo}: try {lo}." in alt.target_text
+        assert by["refiner", "endgame_alternative"].target_text == p.target_text
+
+
 def test_endgame_probe_by_hand():
     """The six endgame states of 1..12 (odds wasted) and scripted roles: a successor that knows the exception for
     1, 3, 5 (forecast "correct"; scored P(wasted) 0.1, P(success) 0.75) and not for 7, 9, 11 ("no answer"; 0.8,
