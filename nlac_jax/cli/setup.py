@@ -130,18 +130,25 @@ class _DropGinRecords(logging.Filter):
 
 def enable_compilation_cache(directory: str) -> None:
     """Persistent XLA cache: a resumed run or a repeated demo skips most compilation (the keys hash the HLO,
-    devices and options, so entries are never stale). Off for a multi-process run on CPU, whatever the flag or
-    JAX_COMPILATION_CACHE_DIR say: only process 0 writes the cache, and an XLA:CPU executable of a multi-process
-    computation is not portable between processes, so a process that compiled later than process 0 loaded its
-    executable and joined the wrong collectives (a hang, seen as 'sync_global_devices name mismatch')."""
+    devices and options, so entries are never stale). JAX_COMPILATION_CACHE_DIR, when set, wins over `directory`.
+    A multi-process run on CPU gets one subdirectory per process (``process_<i>_of_<n>``): the keys do not name
+    the process, and an XLA:CPU executable of a multi-process computation is not portable between processes (a
+    process that loaded one process 0 had written joined the wrong collectives: a hang, seen as
+    'sync_global_devices name mismatch'). JAX writes entries from process 0 only, so process 0 reloads its own
+    executables when relaunched (a resumed run) and the other processes always compile."""
     import jax
+    base = os.environ.get("JAX_COMPILATION_CACHE_DIR") or directory
+    if not base:
+        return
     if jax_multi_process_cpu():
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or not directory:
-        return
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        from jax.experimental.compilation_cache import compilation_cache
+        compilation_cache.reset_cache()  # a compile before this call may have opened the shared directory
+        base = os.path.join(base, f"process_{jax.process_index()}_of_{jax.process_count()}")
+    elif os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # JAX read it at start-up
+    jax.config.update("jax_compilation_cache_dir", base)
+    if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def jax_multi_process_cpu() -> bool:

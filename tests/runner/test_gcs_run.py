@@ -4,8 +4,9 @@ here), preempted, then killed, then resumed with the same command each time, end
 tests/netguard refuses and records any other address in every Python process).
 
 One chain of three launches covers what two tests covered before (a local-workdir 2-process preemption, and a
-gs:// 2-process kill): every 2-process launch compiles everything (XLA:CPU executables of a multi-process program
-are not cached, cli/setup.enable_compilation_cache), so each launch saved is about a minute of a test worker. The
+gs:// 2-process kill): every 2-process launch compiles everything in process 1 (XLA:CPU executables of a
+multi-process program are cached per process and JAX writes only process 0's, cli/setup.enable_compilation_cache),
+so each launch saved is about a minute of a test worker. The
 local-workdir half of the old preemption test is the same code path below the storage layer
 (tests/storage/test_fs.py covers the layer on both kinds of path).
 
@@ -33,7 +34,7 @@ REPO = tm.REPO
 BUCKET = "nlac-run"
 # nlac_jax/runner/interrupts.py: a deterministic point inside iteration 2, right after the resume's start-up (its
 # restore and lock). Killed there rather than later in the iteration: every 2-process launch compiles every program
-# it reaches (no persistent cache), and what the kill tests (nothing of iteration 2 saved, a lock left by a killed
+# it reaches (process 1 at every launch: no cache of its own), and what the kill tests (nothing of iteration 2 saved, a lock left by a killed
 # process) does not depend on how far into the iteration it lands
 HOLD_AT = "2:collect"
 # a guard against a hang only (nothing waits for a time): ~3 minutes on a quiet 2-core machine, far more when loaded
