@@ -3,6 +3,10 @@ one process, alternating calls (the A/B behind the table's 'prefill' entries).
 
     .venv/bin/python benchmarks/bench_prefill.py                                  # 2 layers, 32 x 128 and 8 x 2048
     .venv/bin/python benchmarks/bench_prefill.py --shapes 8x1536 --dtype bfloat16 --layers 8
+    .venv/bin/python benchmarks/bench_prefill.py --ynn "none=,dot=LIBRARY_FUSION_TYPE_DOT"   # more variants beside
+
+--ynn adds columns: the same jit with `xla_cpu_experimental_ynn_fusion_type` set to each value (empty: no YNNPACK),
+timed in the same alternation, to re-check the table's entry on another CPU.
 
 The model is bench_sampling.py's reference Qwen2 (768 hidden, 12/2 heads, 2048 MLP, 32k vocab), random weights.
 Prompts are padded to the sampler's buckets, as `generate` does. Prints the best of --repeats per side.
@@ -23,6 +27,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new_tokens", type=int, default=32, help="the cache's new-token bucket")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ynn", default="", help="comma-separated NAME=FUSION_TYPES variants (FUSION_TYPES joined "
+                                              "by '+'; empty = no YNNPACK), timed beside the two")
     a = ap.parse_args(argv)
     if "jax" in sys.modules:
         raise RuntimeError("run bench_prefill.py as a script")
@@ -38,27 +44,37 @@ def main(argv=None):
     m = models.random_model(cfg, seed=0)
     s = sampling.Sampler(cfg)
     run_cfg = cfg.replace(scan_layers=s.layer_loop == "scan")
-    plain = jax.jit(lambda params, ids, mask, live, key, ctl, src=None, *, new_bucket: prefill_impl(
-        run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket), static_argnames=("new_bucket",))
+    def fn(params, ids, mask, live, key, ctl, src=None, *, new_bucket):
+        return prefill_impl(run_cfg, params, ids, mask, live, key, ctl, src, new_bucket=new_bucket)
+
+    plain = jax.jit(fn, static_argnames=("new_bucket",))
     params = s.run_params(m.params)
     ctl = sampling.controls(0.0, 0, 1.0, a.new_tokens, cfg.max_position_embeddings)
+    variants = {}
+    for item in filter(None, a.ynn.split(",")):
+        name, _, types = item.partition("=")
+        variants[name] = jax.jit(fn, static_argnames=("new_bucket",), compiler_options={
+            "xla_cpu_experimental_ynn_fusion_type": types.replace("+", ",")})
     print(f"{a.dtype}, {a.layers} layers; the sampler's prefill options: {s.prefill_options}")
-    print("| rows x prompt (bucket) | with options s | without s | change |\n|---|---|---|---|")
+    print("| rows x prompt (bucket) | with options s | without s | change |" + "".join(f" {v} s |" for v in variants)
+          + "\n|---|---|---|---|" + "---|" * len(variants))
     for shape in a.shapes.split(","):
         rows, prompt = (int(x) for x in shape.lower().split("x"))
         B, T, N = s.buckets(rows, prompt, a.new_tokens)
         args = (params, np.zeros((B, T), np.int32), np.ones((B, T), np.int32), np.ones(B, bool), jax.random.key(0),
                 ctl)
         best = {}
-        for name, f in (("options", s.prefill), ("plain", plain)):
+        fns = (("options", s.prefill), ("plain", plain)) + tuple(variants.items())
+        for name, f in fns:
             jax.block_until_ready(f(*args, new_bucket=N))  # compile
         for _ in range(a.repeats):
-            for name, f in (("options", s.prefill), ("plain", plain)):
+            for name, f in fns:
                 t = time.perf_counter()
                 jax.block_until_ready(f(*args, new_bucket=N))
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
         print(f"| {rows} x {prompt} ({B} x {T}) | {best['options']:.3f} | {best['plain']:.3f} | "
-              f"{best['options'] / best['plain'] - 1:+.0%} |", flush=True)
+              f"{best['options'] / best['plain'] - 1:+.0%} |" + "".join(f" {best[v]:.3f} |" for v in variants),
+              flush=True)
 
 
 if __name__ == "__main__":
