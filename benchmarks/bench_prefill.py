@@ -3,10 +3,12 @@ one process, alternating calls (the A/B behind the table's 'prefill' entries).
 
     .venv/bin/python benchmarks/bench_prefill.py                                  # 2 layers, 32 x 128 and 8 x 2048
     .venv/bin/python benchmarks/bench_prefill.py --shapes 8x1536 --dtype bfloat16 --layers 8
-    .venv/bin/python benchmarks/bench_prefill.py --ynn "none=,dot=LIBRARY_FUSION_TYPE_DOT"   # more variants beside
+    .venv/bin/python benchmarks/bench_prefill.py --variant "none:ynn=" --variant "onednn:ynn=;onednn=DOT"
 
---ynn adds columns: the same jit with `xla_cpu_experimental_ynn_fusion_type` set to each value (empty: no YNNPACK),
-timed in the same alternation, to re-check the table's entry on another CPU.
+--variant adds a column: the same jit with these XLA:CPU options (NAME:KEY=VALUE;KEY=VALUE; `ynn` and `onednn` are
+short for xla_cpu_experimental_{ynn,onednn}_fusion_type, whose values are LIBRARY_FUSION_TYPE_ names without the
+prefix, joined by '+'; an empty value turns the library off), timed in the same alternation: to re-check the
+table's entry on another CPU.
 
 The model is bench_sampling.py's reference Qwen2 (768 hidden, 12/2 heads, 2048 MLP, 32k vocab), random weights.
 Prompts are padded to the sampler's buckets, as `generate` does. Prints the best of --repeats per side.
@@ -27,8 +29,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new_tokens", type=int, default=32, help="the cache's new-token bucket")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ynn", default="", help="comma-separated NAME=FUSION_TYPES variants (FUSION_TYPES joined "
-                                              "by '+'; empty = no YNNPACK), timed beside the two")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE;...",
+                    help="XLA:CPU options timed beside the two (see the module docstring); repeatable")
     a = ap.parse_args(argv)
     if "jax" in sys.modules:
         raise RuntimeError("run bench_prefill.py as a script")
@@ -51,10 +53,15 @@ def main(argv=None):
     params = s.run_params(m.params)
     ctl = sampling.controls(0.0, 0, 1.0, a.new_tokens, cfg.max_position_embeddings)
     variants = {}
-    for item in filter(None, a.ynn.split(",")):
-        name, _, types = item.partition("=")
-        variants[name] = jax.jit(fn, static_argnames=("new_bucket",), compiler_options={
-            "xla_cpu_experimental_ynn_fusion_type": types.replace("+", ",")})
+    short = {"ynn": "xla_cpu_experimental_ynn_fusion_type", "onednn": "xla_cpu_experimental_onednn_fusion_type"}
+    for item in a.variant:
+        name, _, spec = item.partition(":")
+        opts = {}
+        for kv in filter(None, spec.split(";")):
+            k, _, v = kv.partition("=")
+            opts[short.get(k, k)] = ",".join(f"LIBRARY_FUSION_TYPE_{t}" for t in filter(None, v.split("+"))) \
+                if k in short else {"true": True, "false": False}.get(v, v)
+        variants[name] = jax.jit(fn, static_argnames=("new_bucket",), compiler_options=opts)
     print(f"{a.dtype}, {a.layers} layers; the sampler's prefill options: {s.prefill_options}")
     print("| rows x prompt (bucket) | with options s | without s | change |" + "".join(f" {v} s |" for v in variants)
           + "\n|---|---|---|---|" + "---|" * len(variants))
