@@ -414,8 +414,8 @@ def test_endgame_states_by_hand():
 
 
 def test_single_number_critique_by_hand():
-    """judge_single: after "16 lower, 8 higher, 12 lower, 10 higher" only 11 is possible (9..15 minus what the
-    replies exclude: 11 to 11 after "11" is bracketed by 10 and 12). Guessing 11 is optimal whatever the forecast
+    """judge_single: after "16 lower, 8 higher, 12 lower, 10 higher" only 11 is possible (1..15, then 9..15, 9..11,
+    11..11). Guessing 11 is optimal whatever the forecast
     says (here "no answer"); any other number is outside and the refiner plays 11; off, the waste critique as
     before (which, at the one possible number, keeps the guess as its own "better" one)."""
     state = [{"role": "system", "content": "You have 6 guesses."}, {"role": "user", "content": "1 and 32."}]
