@@ -36,8 +36,10 @@ class UnitScaleConfig:
       and warm-start seed warm_seed + s (every seed then measures a different warm start as well); False: one warm
       start (WORKDIR/warm_start) shared by every seed.
     warm_role_repeat: {role: k}: the warm start trains on each corpus example of that role k times per epoch
-      (k >= 1; default once), so a role whose knowledge needs more updates than its share of the corpus gives
-      (the learned-critic corpus's successor) gets them within the same number of steps.
+      (k >= 0; default once), so a role whose knowledge needs more updates than its share of the corpus gives
+      (the learned-critic corpus's successor) gets them within the same number of steps. k = 0 leaves the role
+      out: a policy-only warm start is the capacity reference of what the model can clone of the behaviour when
+      no other role shares its steps (it has no critic, so its premise fails and only `warm_start` runs).
     warm_*: supervised warm start with the project's train step (cosine schedule); the result is cached in
       WORKDIR/warm_start (an HF directory) and reused by every arm and by reruns. warm_bucket_multiple: batches
       are padded to a multiple of it (None: powers of two).
@@ -90,8 +92,10 @@ class UnitScaleConfig:
             if role not in CORPUS_ROLES:
                 raise ValueError(f"UnitScaleConfig.warm_role_repeat: unknown role {role!r}; roles are "
                                  f"{list(CORPUS_ROLES)}")
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"UnitScaleConfig.warm_role_repeat[{role!r}] must be an integer >= 1, got {k!r}")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"UnitScaleConfig.warm_role_repeat[{role!r}] must be an integer >= 0, got {k!r}")
+        if all(int(dict(self.warm_role_repeat).get(r, 1)) == 0 for r in CORPUS_ROLES):
+            raise ValueError("UnitScaleConfig.warm_role_repeat leaves every role out of the warm start")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
         if int(self.warmup_policy_rehearsal) < 0:

@@ -69,7 +69,8 @@ def corpus_examples(xcfg, corpus_seed: int) -> tuple[list, dict]:
 
 def repeat_roles(examples: list, repeat: dict) -> list:
     """``examples`` with each example of role r listed ``repeat[r]`` times (`UnitScaleConfig.warm_role_repeat`;
-    other roles once), in the original order: the warm start's shuffled epochs then see that role k times as often."""
+    other roles once; 0: left out), in the original order: the warm start's shuffled epochs then see that role k
+    times as often."""
     return [e for e in examples for _ in range(int(repeat.get(e.role, 1)))]
 
 

@@ -196,10 +196,14 @@ def test_warm_role_repeat_lists_a_role_k_times_and_rejects_bad_values():
     assert [e.role for e in out] == ["policy"] + ["successor"] * 3 + ["evaluator"] + ["successor"] * 3
     assert out[1] is ex[1] and out[5] is ex[3]
     assert repeat_roles(ex, {}) == ex
+    # 0 leaves a role out (the policy-only capacity reference)
+    assert repeat_roles(ex, {"successor": 0, "evaluator": 0}) == [ex[0]]
     with pytest.raises(ValueError, match="unknown role 'critic'"):
         UnitScaleConfig(warm_role_repeat={"critic": 2})
-    with pytest.raises(ValueError, match=r"warm_role_repeat\['successor'\] must be an integer >= 1"):
-        UnitScaleConfig(warm_role_repeat={"successor": 0})
+    with pytest.raises(ValueError, match=r"warm_role_repeat\['successor'\] must be an integer >= 0"):
+        UnitScaleConfig(warm_role_repeat={"successor": -1})
+    with pytest.raises(ValueError, match="leaves every role out"):
+        UnitScaleConfig(warm_role_repeat={r: 0 for r in ("policy", "successor", "backup", "evaluator", "refiner")})
 
 
 def test_warm_start_batches_are_padded_to_their_bucket():
