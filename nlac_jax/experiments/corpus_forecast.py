@@ -58,6 +58,7 @@ __all__ = [
     "PROMPT_SET",
     "DETAIL_GUESSES",
     "jitter_action",
+    "jitter_distribution",
     "reply_word",
     "forecast",
     "forecast_reply",
@@ -97,6 +98,22 @@ def jitter_action(history: Sequence[dict], n: int, rng: random.Random, jitter: f
     mid = (lo + hi) // 2 + (rng.randint(0, 1) if (hi - lo) % 2 else 0)
     w = int((hi - lo) * jitter)
     return str(min(max(mid + rng.randint(-w, w), lo), hi))
+
+
+def jitter_distribution(history: Sequence[dict], n: int, jitter: float = 0.25) -> dict[str, float]:
+    """The exact distribution of :func:`jitter_action` at ``history``: {action: probability} (the midpoint's coin,
+    then the uniform offset, then the clip), for reading how closely a clone copies it (`policy_clone`)."""
+    lo, hi, _, _ = consistent_interval(history, n)
+    if lo > hi:
+        lo, hi = 1, n
+    mids = [(lo + hi) // 2, (lo + hi) // 2 + 1] if (hi - lo) % 2 else [(lo + hi) // 2]
+    w = int((hi - lo) * jitter)
+    out: dict[str, float] = {}
+    for mid in mids:
+        for off in range(-w, w + 1):
+            g = str(min(max(mid + off, lo), hi))
+            out[g] = out.get(g, 0.0) + 1.0 / (len(mids) * (2 * w + 1))
+    return out
 
 
 def _chooser(n: int, rng: random.Random, jitter: float, prefix: Sequence[str] = ()):

@@ -80,6 +80,7 @@ __all__ = [
     "partners",
     "attribute_of",
     "behaviour_action",
+    "behaviour_distribution",
     "forecast",
     "forecast_answer",
     "alternative_question",
@@ -161,6 +162,32 @@ def behaviour_action(state: Sequence[dict], table: ObjectTable, rng: random.Rand
         if repeatable:
             return rng.choice(repeatable)
     return f"{rng.choice(pool)}?"
+
+
+def behaviour_distribution(state: Sequence[dict], table: ObjectTable,
+                           mix: Sequence[float] = DEFAULT_MIX) -> dict[str, float]:
+    """The exact distribution of :func:`behaviour_action` at ``state``: {action: probability}, each branch of the
+    mix with its fall-backs (no split, nothing unasked, nothing to repeat: a possible object), for reading how
+    closely a clone copies it (`policy_clone`)."""
+    names, asked = candidates(state, table)
+    pool = [f"{o}?" for o in (names or [o.name for o in table.objects])]
+    if len(names) == 1:
+        return {pool[0]: 1.0}
+    asked_attrs = _asked_attributes(state, table)
+    unasked = [a for a in bank(table) if a not in asked_attrs]
+    total = sum(float(x) for x in mix)
+    w_best, w_random, w_guess, w_repeat = (float(x) / total for x in mix)
+    out: dict[str, float] = {}
+
+    def spread(actions, w):
+        for a in actions:
+            out[a] = out.get(a, 0.0) + w / len(actions)
+    best = even_splits(state, table) if unasked else []
+    spread([f"{a}?" for a in best] or pool, w_best)
+    spread([f"{a}?" for a in unasked] or pool, w_random)
+    spread(pool, w_guess)
+    spread([q for q in asked if attribute_of(q, table) is not None] or pool, w_repeat)
+    return out
 
 
 def _chooser(table: ObjectTable, rng: random.Random, mix, prefix: Sequence[str] = ()):
