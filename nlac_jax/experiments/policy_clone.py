@@ -10,7 +10,7 @@ scores are normalised over that action set, and the result is compared with the 
 
     kl          KL(behaviour || clone) in nats, averaged over states
     overlap     1 - total variation: the probability that the clone and the behaviour pick the same action
-    scored_mass the clone's probability of the action set itself (the rest is other text: malformed actions)
+    scored_mass the clone's probability of playing one of these actions and ending its turn (the rest: other text)
     <category>  the clone's and the behaviour's mass on a kind of action (e.g. repeats, excluded guesses)
 
     python -m nlac_jax.experiments.policy_clone WARM_DIR --game twenty_questions   # or --game toy (--test_every 3)
@@ -40,7 +40,7 @@ Category = Callable[[Sequence[dict], str], bool]
 
 def clone_gap(sampler, prompts: PromptSet, states: Sequence[list], actions: Sequence[str],
               behaviour: Callable[[Sequence[dict]], dict], categories: Optional[dict] = None,
-              params: str = "policy") -> dict:
+              params: str = "policy", end: str = "") -> dict:
     """The clone's distance from the behaviour over ``states`` (module docstring), from one ``sampler.score`` call.
 
     states: S public states (message lists); actions: the A actions scored at every state (every action the
@@ -48,12 +48,15 @@ def clone_gap(sampler, prompts: PromptSet, states: Sequence[list], actions: Sequ
     categories: {name: (state, action) -> bool}; each gives `clone/<name>` and `behaviour/<name>`, the mass on
       the actions of that kind, averaged over states. Returns floats keyed 'states', 'kl', 'overlap',
       'scored_mass' and the categories'; the clone's distribution is its scores normalised over ``actions``.
+    end: appended to every action when scored: the turn-end token's text (`main`), so that "1" is scored as the
+      whole action "1" and not as the first digit of "12" (actions that are prefixes of others).
     """
     categories = dict(categories or {})
     if not states:
         raise ValueError("clone_gap: no states")
     msgs = [prompts.policy(s) for s in states]
-    lp = np.asarray(sampler.score([m for m in msgs for _ in actions], list(actions) * len(msgs), params, "policy"),
+    lp = np.asarray(sampler.score([m for m in msgs for _ in actions], [a + end for a in actions] * len(msgs), params,
+                                  "policy"),
                     np.float64).reshape(len(msgs), len(actions))
     if not np.all(np.isfinite(lp)):
         raise ValueError("clone_gap: the sampler returned non-finite scores")
@@ -144,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m nlac_jax.experiments.policy_clone WARM_DIR --game {toy,twenty_questions}``: the clone gap of a
     saved warm start's policy on the train and the held-out tasks (module docstring), one JSON line."""
     import argparse
-    from nlac_jax import sampling
+    from nlac_jax import sampling, text
     from nlac_jax.experiments import warm_start
     from nlac_jax.nlac.model_roles import ModelRoleSampler
     from nlac_jax.rl.roles import RoleSampling
@@ -166,11 +169,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.game, args.n, args.test_every, args.wasted, args.jitter)
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=RoleSampling())
+    end = tok.convert_ids_to_tokens(text.turn_end_token_id(tok))  # its text encodes to that one id (tested)
     out = {}
     for split in ("train", "test"):
         states = behaviour_states(env, source.tasks(split), chooser, args.episodes_per_task, args.seed, task_name)
         out[split] = {k: (round(v, 4) if math.isfinite(v) else None)
-                      for k, v in clone_gap(roles, ps, states, actions, behaviour, categories).items()}
+                      for k, v in clone_gap(roles, ps, states, actions, behaviour, categories, end=end).items()}
     print(json.dumps(out))
     return 0
 
