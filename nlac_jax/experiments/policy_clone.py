@@ -14,6 +14,7 @@ scores are normalised over that action set, and the result is compared with the 
     <category>  the clone's and the behaviour's mass on a kind of action (e.g. repeats, excluded guesses)
 
     python -m nlac_jax.experiments.policy_clone WARM_DIR --game twenty_questions   # or --game toy (--test_every 3)
+    # prompts changed by gin (e.g. nlac.PromptSet.template_dirs): pass the run's --gin_file / --gin_param too
 
 One JSON object per split is printed. Nothing here trains or samples: one scoring pass, from the policy's parameters.
 """
@@ -148,6 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     saved warm start's policy on the train and the held-out tasks (module docstring), one JSON line."""
     import argparse
     from nlac_jax import sampling, text
+    from nlac_jax.cli.setup import GinConfigError, load_gin
     from nlac_jax.experiments import warm_start
     from nlac_jax.nlac.model_roles import ModelRoleSampler
     from nlac_jax.rl.roles import RoleSampling
@@ -160,11 +162,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--test_every", type=int, default=3, help="toy: every k-th number is held out (split 3: 3)")
     p.add_argument("--wasted", default="odd", help=f"toy: the RL game's rule, one of {sorted(toy_corpus.WASTE_RULES)}")
     p.add_argument("--jitter", type=float, default=0.25, help="toy: the behaviour's jitter (forecast_corpus.jitter)")
+    p.add_argument("--gin_file", action="append", default=[],
+                   help="the run's gin files, for its prompt bindings (e.g. nlac.PromptSet.template_dirs)")
+    p.add_argument("--gin_param", action="append", default=[], help="gin bindings, as for the run")
     args = p.parse_args(argv)
     if args.episodes_per_task < 1:
         p.error(f"--episodes_per_task must be >= 1, got {args.episodes_per_task}")
     if args.game == "toy" and args.wasted not in toy_corpus.WASTE_RULES:
         p.error(f"--wasted: expected one of {sorted(toy_corpus.WASTE_RULES)}, got {args.wasted!r}")
+    if args.gin_file or args.gin_param:  # the prompts must be the ones the warm start was trained on
+        try:
+            load_gin(args.gin_file, args.gin_param)
+        except GinConfigError as e:
+            p.error(str(e))
     ps, actions, behaviour, categories, source, env, chooser, task_name = _setup(
         args.game, args.n, args.test_every, args.wasted, args.jitter)
     cfg, tok, params = warm_start.load_warm_start(args.warm_dir, dtype="bfloat16")

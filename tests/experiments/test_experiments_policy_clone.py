@@ -147,3 +147,17 @@ def test_cli_on_a_saved_warm_start(tmp_path, capsys):
     for split in out.values():
         assert split["states"] >= 10 and split["kl"] > 0.3 and 0 <= split["overlap"] < 0.8
         assert 0 <= split["scored_mass"] < 0.1 and split["behaviour/outside_range"] == 0.0  # random: few whole actions
+
+
+def test_cli_bad_gin_binding_is_one_line(tmp_path, capsys):
+    """The run's gin bindings (for its prompts) are checked before any model is loaded: a bad one is one line."""
+    import gin
+    try:
+        with pytest.raises(SystemExit) as e:
+            P.main([str(tmp_path / "absent"), "--gin_file", "gin/experiments/unit_20q_filter.gin",
+                    "--gin_param", "nlac.PromptSet.no_such_knob=1"])
+    finally:
+        gin.clear_config()  # the file's bindings were parsed before the bad one: keep them from later tests
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no_such_knob" in err and "nlac.PromptSet" in err
