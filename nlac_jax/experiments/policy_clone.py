@@ -22,7 +22,6 @@ One JSON object per split is printed. Nothing here trains or samples: one scorin
 from __future__ import annotations
 
 import json
-import math
 import random
 from typing import Callable, Optional, Sequence
 
@@ -40,7 +39,7 @@ Category = Callable[[Sequence[dict], str], bool]
 
 
 def clone_gap(sampler, prompts: PromptSet, states: Sequence[list], actions: Sequence[str],
-              behaviour: Callable[[Sequence[dict]], dict], categories: Optional[dict] = None,
+              behaviour: Callable[[Sequence[dict]], dict], categories: Optional[dict[str, Category]] = None,
               params: str = "policy", end: str = "") -> dict:
     """The clone's distance from the behaviour over ``states`` (module docstring), from one ``sampler.score`` call.
 
@@ -94,7 +93,7 @@ def behaviour_states(env, tasks, chooser_for: Callable[[random.Random], Callable
     return out
 
 
-def toy_categories(n: int) -> dict:
+def toy_categories(n: int) -> dict[str, Category]:
     """The toy game's kinds of action the behaviour never or seldom takes: outside the range the replies allow, and
     a number guessed before (a wasted guess leaves the range as it was, so the behaviour can repeat one)."""
     def outside(state, a):
@@ -106,7 +105,7 @@ def toy_categories(n: int) -> dict:
     return {"outside_range": outside, "repeat": repeat}
 
 
-def twenty_questions_categories(table) -> dict:
+def twenty_questions_categories(table) -> dict[str, Category]:
     """20 Questions' kinds of action: a guess of an object the answers exclude, a question or guess asked
     before, and a question among the public best splits (`even_splits`, the behaviour's preferred move)."""
     objects = {f"{o.name}?" for o in table.objects}
@@ -123,10 +122,11 @@ def twenty_questions_categories(table) -> dict:
 
 
 def _setup(game: str, n: int, test_every: int, wasted: str, jitter: float):
-    """(prompt set, actions, behaviour, categories, {split: states-maker}) of one game, its RL rule included."""
+    """(prompt set, actions, behaviour, categories, task source, RL env, chooser_for(rng), task name) of one game;
+    the env plays the RL game's rule (toy: ``wasted``; 20 Questions: RL_REFUSED)."""
     if game == "toy":
         from nlac_jax.envs.toy import GuessNumberTaskSource
-        env = toy_corpus._env(n, None, 0, toy_corpus.rule_numbers(wasted, n) if wasted else ())
+        env = toy_corpus._env(n, None, 0, toy_corpus.rule_numbers(wasted, n))
         source = GuessNumberTaskSource(n, test_every)
         actions = [str(g) for g in range(1, n + 1)]
         behaviour = lambda s: toy_corpus.jitter_distribution(s, n, jitter)  # noqa: E731
@@ -183,8 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = {}
     for split in ("train", "test"):
         states = behaviour_states(env, source.tasks(split), chooser, args.episodes_per_task, args.seed, task_name)
-        out[split] = {k: (round(v, 4) if math.isfinite(v) else None)
-                      for k, v in clone_gap(roles, ps, states, actions, behaviour, categories, end=end).items()}
+        gap = clone_gap(roles, ps, states, actions, behaviour, categories, end=end)  # finite: it refuses otherwise
+        out[split] = {k: round(v, 4) for k, v in gap.items()}
     print(json.dumps(out))
     return 0
 
