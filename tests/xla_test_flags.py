@@ -13,9 +13,9 @@ COMPILE_FAST = "--xla_backend_optimization_level=0"
 # prefill's dots are XLA's own loops (nlac_jax/parallel/xla_options.py keeps YNNPACK out of it), which -O0 leaves
 # unoptimised: a 1536-token prefill of 4 rows takes 0.75 s at -O0, 0.11 s at -O2. -O1 runs about as fast as -O2 and
 # compiles a little slower than -O0. Not for the runs compared with conftest.one_process_reference (the kill/resume
-# chains, the disk-full run): they must be compiled like the 2-process runs, whose process 1 never has a
-# cache entry (nlac_jax/cli/setup.py, enable_compilation_cache) and compiles everything at every launch (a 2-process run cost
-# 187 CPU seconds at -O0, 237 at -O1).
+# chains, the disk-full run): they must be compiled like the 2-process runs, whose process 1 compiled everything
+# at every launch when this was chosen (a 2-process run cost 187 CPU seconds at -O0, 237 at -O1; since 2026-12-07 each
+# process writes its own cache entries, nlac_jax/cli/setup.py, enable_compilation_cache).
 LOOP_RUN = "--xla_backend_optimization_level=1"
 # XLA:CPU's MLIR fusion emitters (on by default in this jaxlib) compile a small program about twice as slowly as the
 # older LLVM-IR emitters: tests/training/test_train_step.py, 18 tests from an empty cache, 2 cores (AMD EPYC): 73-78 s

@@ -134,8 +134,9 @@ def enable_compilation_cache(directory: str) -> None:
     A multi-process run on CPU gets one subdirectory per process (``process_<i>_of_<n>``): the keys do not name
     the process, and an XLA:CPU executable of a multi-process computation is not portable between processes (a
     process that loaded one process 0 had written joined the wrong collectives: a hang, seen as
-    'sync_global_devices name mismatch'). JAX writes entries from process 0 only, so process 0 reloads its own
-    executables when relaunched (a resumed run) and the other processes always compile."""
+    'sync_global_devices name mismatch'). JAX writes entries from process 0 only (its guard against writers
+    contending for one shared directory); with a directory per process there is no contention, so every process
+    writes its own (`_write_from_every_process`) and reloads them when relaunched (a resumed run)."""
     import jax
     base = os.environ.get("JAX_COMPILATION_CACHE_DIR") or directory
     if not base:
@@ -144,11 +145,44 @@ def enable_compilation_cache(directory: str) -> None:
         from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()  # a compile before this call may have opened the shared directory
         base = os.path.join(base, f"process_{jax.process_index()}_of_{jax.process_count()}")
+        _write_from_every_process()
     elif os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return  # JAX read it at start-up
     jax.config.update("jax_compilation_cache_dir", base)
     if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _write_from_every_process() -> None:
+    """Let a process other than 0 write its persistent-cache entries (into its own directory: the caller set it).
+    JAX's `_cache_write` returns early on those processes; this wraps that private function, and where a JAX
+    release no longer has it, nothing changes (those processes compile at every launch, as before)."""
+    try:
+        from jax._src import compilation_cache as jax_cache
+        from jax._src import compiler
+        from jax._src import config as jax_config
+        from jax._src import distributed as jax_distributed
+        original = compiler._cache_write
+    except (ImportError, AttributeError):
+        return
+    if getattr(original, "_writes_from_every_process", False):
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if jax_distributed.global_state.process_id == 0:
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        # the checks JAX makes before writing: host callbacks are baked into the executable; the time threshold
+        if host_callbacks or compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value:
+            return None
+        try:
+            jax_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs the next launch a compile
+            logging.getLogger(__name__).warning("persistent compilation cache: not written for %s: %s",
+                                                module_name, e)
+        return None
+
+    cache_write._writes_from_every_process = True
+    compiler._cache_write = cache_write
 
 
 def jax_multi_process_cpu() -> bool:

@@ -1,7 +1,8 @@
 """cli/setup.enable_compilation_cache: one persistent-cache directory per process of a multi-process CPU run (an
 XLA:CPU executable of a multi-process program is not portable between processes, and the cache keys do not name
-the process), the shared directory otherwise, also when a compile opened the shared one first. Each case
-runs in a fresh interpreter: JAX's cache is process-global and opened once."""
+the process), the shared directory otherwise, also when a compile opened the shared one first; every process
+writes its own entries (JAX alone writes process 0's only). Each case runs in a fresh interpreter: JAX's cache is
+process-global and opened once."""
 
 import json
 import os
@@ -20,8 +21,11 @@ index, count, compile_first, directory = int(sys.argv[1]), int(sys.argv[2]), sys
 if count > 1:  # a process of a multi-process CPU run, as jax.distributed would make it
     setup.jax_multi_process_cpu = lambda: True
     jax.process_index, jax.process_count = (lambda: index), (lambda: count)
-if compile_first:
+if compile_first:  # written to the shared directory (this process's id is still 0 for JAX's writer)
     jax.jit(lambda x: x * 3.0)(jnp.ones(4)).block_until_ready()
+if count > 1:
+    from jax._src import distributed
+    distributed.global_state.process_id = index  # what JAX's own cache writer reads
 setup.enable_compilation_cache(directory)
 jax.jit(lambda x: x + 1.0)(jnp.ones(4)).block_until_ready()
 print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "on": jax.config.jax_enable_compilation_cache}))
@@ -48,6 +52,7 @@ def test_each_process_of_a_multi_process_cpu_run_gets_its_own_directory(tmp_path
     base = tmp_path / "env" if env_dir else tmp_path / "flag"
     got = _run(tmp_path, 1, 2, env_dir=base if env_dir else None)
     assert got == {"dir": str(base / "process_1_of_2"), "on": True}
+    # process 1 wrote its own entry (JAX's writer skips every process but 0) and nothing in the shared directory
     assert _entries(base / "process_1_of_2") and not [e for e in _entries(base) if not e.startswith("process_")]
     assert _run(tmp_path, 0, 2, env_dir=base if env_dir else None)["dir"] == str(base / "process_0_of_2")
 

@@ -4,9 +4,9 @@ here), preempted, then killed, then resumed with the same command each time, end
 tests/netguard refuses and records any other address in every Python process).
 
 One chain of three launches covers what two tests covered before (a local-workdir 2-process preemption, and a
-gs:// 2-process kill): every 2-process launch compiles everything in process 1 (XLA:CPU executables of a
-multi-process program are cached per process and JAX writes only process 0's, cli/setup.enable_compilation_cache),
-so each launch saved is about a minute of a test worker. The
+gs:// 2-process kill): a 2-process launch costs far more than a 1-process one (two processes, gloo collectives,
+and at the first launch every program compiled in both: XLA:CPU executables of a multi-process program are cached
+per process, cli/setup.enable_compilation_cache). The
 local-workdir half of the old preemption test is the same code path below the storage layer
 (tests/storage/test_fs.py covers the layer on both kinds of path).
 

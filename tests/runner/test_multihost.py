@@ -43,7 +43,7 @@ PARAMS = [
     "LoopConfig.max_len = 640",
     # a sampler call holds <= 4 prompts here: padded to 8 rows (default 16), one compaction level (default 2). Every
     # call still pads, prefills and compacts at run time (8 -> 4 rows) over both processes' rows, with half the
-    # padded prefill work and a third fewer executables to compile (process 1 of every 2-process run compiles everything)
+    # padded prefill work and a third fewer executables to compile (both processes compile every one)
     "LoopConfig.sampler_min_batch = 8",
     "LoopConfig.sampler_compact_levels = 1",
     "LoopConfig.export_hf = True",
