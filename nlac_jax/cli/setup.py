@@ -153,29 +153,38 @@ def enable_compilation_cache(directory: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+# the private `jax._src.compiler._cache_write` this wraps, as jax 0.10 defines it; another signature: left alone
+_CACHE_WRITE_PARAMETERS = ("cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks")
+
+
 def _write_from_every_process() -> None:
     """Let a process other than 0 write its persistent-cache entries (into its own directory: the caller set it).
     JAX's `_cache_write` returns early on those processes; this wraps that private function, and where a JAX
-    release no longer has it, nothing changes (those processes compile at every launch, as before)."""
+    release no longer has it, or has it with other parameters, nothing changes (those processes compile at every
+    launch, as before)."""
+    import inspect
     try:
         from jax._src import compilation_cache as jax_cache
         from jax._src import compiler
         from jax._src import config as jax_config
         from jax._src import distributed as jax_distributed
         original = compiler._cache_write
-    except (ImportError, AttributeError):
+        put = jax_cache.put_executable_and_time
+        threshold = jax_config.persistent_cache_min_compile_time_secs
+        parameters = tuple(inspect.signature(original).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
         return
-    if getattr(original, "_writes_from_every_process", False):
+    if getattr(original, "_writes_from_every_process", False) or parameters != _CACHE_WRITE_PARAMETERS:
         return
 
     def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
         if jax_distributed.global_state.process_id == 0:
             return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
         # the checks JAX makes before writing: host callbacks are baked into the executable; the time threshold
-        if host_callbacks or compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value:
+        if host_callbacks or compile_time_secs < threshold.value:
             return None
         try:
-            jax_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
         except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs the next launch a compile
             logging.getLogger(__name__).warning("persistent compilation cache: not written for %s: %s",
                                                 module_name, e)

@@ -70,3 +70,25 @@ def test_a_compile_before_the_call_does_not_keep_the_shared_directory(tmp_path):
     shared = {e for e in _entries(tmp_path / "env") if not e.startswith("process_")}
     own = set(_entries(tmp_path / "env" / "process_1_of_2"))
     assert shared and own and not own & shared  # the compile after the call (x + 1) is in its own only
+
+
+def test_the_private_writer_is_wrapped_only_where_its_signature_is_the_known_one(monkeypatch):
+    """A JAX release whose `_cache_write` takes other parameters is left alone (its processes other than 0 then
+    compile at every launch), instead of being called with arguments it does not take."""
+    from jax._src import compiler
+    from nlac_jax.cli import setup
+
+    def other(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks, pgle_profiler):
+        return None
+    monkeypatch.setattr(compiler, "_cache_write", other)
+    setup._write_from_every_process()
+    assert compiler._cache_write is other
+
+    def known(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        return None
+    monkeypatch.setattr(compiler, "_cache_write", known)
+    setup._write_from_every_process()
+    wrapped = compiler._cache_write
+    assert wrapped is not known and wrapped._writes_from_every_process
+    setup._write_from_every_process()  # idempotent: a second call does not wrap the wrapper
+    assert compiler._cache_write is wrapped
