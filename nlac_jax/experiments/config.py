@@ -57,6 +57,11 @@ class UnitScaleConfig:
       every arm that obeys the warm-up also trains on this many of its seed's corpus-game policy examples
       (`unit_scale.warmup_policy_pool`; what the warm start already imitates, nothing of the RL game), so the policy
       is held while L1 moves the shared parameters (the learned-critic corpora only; 0: none).
+    final_eval_episodes: after its last iteration, every arm (`warm_start` included: the warm start itself) is
+      evaluated once more on this many held-out episodes (the test tasks cycled, as LoopConfig.eval_episodes does),
+      under the same phase seed for every arm of a seed (`unit_scale.final_evaluation`), into the `final/` metrics
+      of its last row and the results' paired table. The per-iteration evaluations stay small (they draw the
+      curves); this one sets the precision of the end-point comparison (0: none).
     """
 
     arms: tuple = ARMS
@@ -81,6 +86,7 @@ class UnitScaleConfig:
     rehearsal_examples: int = 0
     warmup_policy_rehearsal: int = 0
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
+    final_eval_episodes: int = 0
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -98,6 +104,8 @@ class UnitScaleConfig:
             raise ValueError("UnitScaleConfig.warm_role_repeat leaves every role out of the warm start")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
+        if int(self.final_eval_episodes) < 0:
+            raise ValueError(f"UnitScaleConfig.final_eval_episodes must be >= 0, got {self.final_eval_episodes!r}")
         if int(self.warmup_policy_rehearsal) < 0:
             raise ValueError(f"UnitScaleConfig.warmup_policy_rehearsal must be >= 0, got "
                              f"{self.warmup_policy_rehearsal!r}")

@@ -247,11 +247,39 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
             rows.append(m)
             with open(os.path.join(out_dir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
                 f.write(dump)
+    if xcfg.final_eval_episodes:
+        rows[-1].update(final_evaluation(run, xcfg.final_eval_episodes, learner))
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in r.items()}, sort_keys=True) + "\n")
     return rows
+
+
+# the final evaluation's phase: the same for every arm of a seed (common random numbers), apart from iteration -1's
+# (the warm start's small evaluation) and from every training iteration's (loop._phase_seed: an iteration no run
+# reaches; seeds must stay non-negative)
+FINAL_EVAL_ITERATION = 999_999
+
+
+def final_evaluation(run, episodes: int, learner=None) -> dict:
+    """The current parameters evaluated once on ``episodes`` held-out episodes (the run's test tasks cycled in their
+    order), under ``learner``'s routing (the frozen critic's critic roles stay frozen) and the phase seed of
+    FINAL_EVAL_ITERATION. Returns the evaluation's episode and critic metrics renamed ``eval/`` -> ``final/`` (its
+    generation counters dropped) and ``time/final_eval``."""
+    saved = run.eval_tasks
+    held_out = saved[:len({t.id for t in saved})]  # eval_tasks cycles the held-out tasks in a fixed order
+    routes, sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
+    try:
+        run.eval_tasks = [held_out[i % len(held_out)] for i in range(int(episodes))]
+        with run.roles.routing(routes, sets):
+            m = run.evaluate(FINAL_EVAL_ITERATION)
+    finally:
+        run.eval_tasks = saved
+    out = {"final/" + k[len("eval/"):]: v for k, v in m.items()
+           if k.startswith("eval/") and not k.startswith(("eval/gen/", "eval/prompt/"))}
+    out["time/final_eval"] = m["time/eval"]
+    return out
 
 
 def _read_rows(path: str) -> list[dict]:
@@ -264,6 +292,10 @@ TABLE_KEYS = (("eval/success_rate", "held-out success"), ("eval/mean_return", "h
               ("eval/mean_length_success", "turns to a win"),
               ("eval/success/free_target", "held-out success, targets the rule spares"),
               ("eval/success/rule_target", "held-out success, targets the rule wastes"),
+              # the final evaluation (UnitScaleConfig.final_eval_episodes; final_table pairs it with the warm start)
+              ("final/success_rate", "final held-out success"),
+              ("final/success/free_target", "final, targets the rule spares"),
+              ("final/success/rule_target", "final, targets the rule wastes"),
               # training episodes are 16 per iteration: the first 4 (the warm start's own play) and the last 4
               # iterations (64 episodes each), overall and per kind of target (episode-weighted)
               ("collect/success_rate", "train success (iters 1-4)", slice(0, 4)),
@@ -345,6 +377,40 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None, k
                      "episodes): " +
                      ", ".join(f"{k} {v:.3f}" for k, v in reference.items() if k != "episodes"))
     return "\n".join(lines)
+
+
+def final_table(results: dict) -> str:
+    """Markdown: the final evaluation (``UnitScaleConfig.final_eval_episodes``) per arm: held-out success per seed,
+    mean ± std, and each seed's difference to its own warm start in points, with the binomial standard error of that
+    difference from the two evaluations' episodes alone (sqrt(p(1-p)/n + q(1-q)/n)). "" when no row has it."""
+    def final(rows, key="final/success_rate"):
+        return _final(rows, key) if rows else math.nan
+    warm = results.get("warm_start", {})
+    lines = []
+    for arm, per_seed in results.items():
+        vals = {s: final(rows) for s, rows in per_seed.items()}
+        if not any(math.isfinite(v) for v in vals.values()):
+            continue
+        ns = {s: int(rows[-1].get("final/num_episodes") or 0) for s, rows in per_seed.items() if rows}
+        diffs, ses = [], []
+        for s, v in vals.items():
+            w = final(warm.get(s, []))
+            n, nw = ns.get(s, 0), int((warm.get(s) or [{}])[-1].get("final/num_episodes") or 0)
+            if arm == "warm_start" or not (math.isfinite(v) and math.isfinite(w) and n and nw):
+                continue
+            diffs.append(100 * (v - w))
+            ses.append(100 * math.sqrt(v * (1 - v) / n + w * (1 - w) / nw))
+        per = " / ".join(f"{v:.3f}" for v in vals.values())
+        d = " / ".join(f"{x:+.1f}" for x in diffs) or "–"
+        se = " / ".join(f"{x:.1f}" for x in ses) or "–"
+        mean_d = f"{np.mean(diffs):+.1f} ± {np.std(diffs):.1f}" if diffs else "–"
+        lines.append(f"| {arm} | {sorted(set(ns.values()))} | {_mean_std(list(vals.values()))} | {per} | {d} | "
+                     f"{mean_d} | {se} |")
+    if not lines:
+        return ""
+    return "\n".join(["| arm | episodes per seed | final held-out success | per seed | − warm start, per seed (points) "
+                      "| mean ± std (points) | binomial SE of each difference (points) |",
+                      "|" + "---|" * 7] + lines)
 
 
 def _curves(ax, results: dict, key: str, title: str) -> None:
@@ -536,6 +602,10 @@ def run_experiment(workdir: str) -> dict:
     else:
         reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
     table = results_table(results, seconds, reference, table_keys(xcfg.corpus))
+    final = final_table(results)
+    if final:
+        table += ("\n\nThe final evaluation (`UnitScaleConfig.final_eval_episodes`, the same phase seed for every arm "
+                  "of a seed):\n\n" + final)
     if premise:
         table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
     curves, critic = plot_results(results, workdir)

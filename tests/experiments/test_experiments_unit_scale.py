@@ -273,6 +273,13 @@ def test_learned_critic_smoke_configuration_runs_with_one_warm_start_per_seed(tm
                            - r[f"{phase}/success_rate"]) < 1e-9, r
     assert "| wasted guesses |" in table and "| held-out success, targets the rule wastes |" in table
     assert "| endgame: policy plays it |" in table
+    # the final evaluation (final_eval_episodes = 8: twice the held-out tasks' episodes) of every arm, the warm start
+    # included, and the paired table
+    for arm in ("warm_start", "nlac", "nlac_frozen_critic"):
+        rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", arm, "seed_0", "metrics.jsonl"))]
+        assert rows[-1]["final/num_episodes"] == 8 and 0 <= rows[-1]["final/success_rate"] <= 1, rows[-1]
+        assert not any(k.startswith("final/") for r in rows[:-1] for k in r)
+    assert "The final evaluation" in table and "| nlac_frozen_critic | [8] |" in table, table
     # the surprise draws took part of L1 and of L2 by the critic's scores (algorithm.surprise_draw)
     rows = [json.loads(x) for x in open(os.path.join(workdir, "arms", "nlac_surprise_policy", "seed_0", "metrics.jsonl"))]
     for kind in ("surprise", "surprise_policy"):
@@ -342,6 +349,76 @@ def test_results_table_by_hand():
                {"collect/success/g": 0.5, "collect/episodes/g": 0}]}
     head, _, row = results_table({"nlac": grp}, {}, None, (("collect/success/g", "g", 3),)).splitlines()
     assert row.split("|")[3].strip() == "0.750"
+
+
+def test_final_evaluation_cycles_the_held_out_tasks_under_the_learners_routing():
+    """unit_scale.final_evaluation: N episodes over the run's held-out tasks cycled in their order, under the
+    learner's routing, at FINAL_EVAL_ITERATION (one phase seed for every arm of a seed); eval/ renamed final/ with
+    the generation counters dropped; the run's own evaluation tasks restored afterwards, also when it raises."""
+    import contextlib
+    from nlac_jax.experiments import unit_scale
+    tasks = [Task(id=f"t{i}", split="test") for i in range(3)]
+    calls = []
+
+    class FakeRoles:
+        active = None
+
+        @contextlib.contextmanager
+        def routing(self, routes, sets):
+            FakeRoles.active = (routes, sets)
+            yield
+            FakeRoles.active = None
+
+    class FakeRun:
+        eval_tasks = [tasks[i % 3] for i in range(6)]  # LoopConfig.eval_episodes = 6: each task twice
+        roles = FakeRoles()
+
+        def evaluate(self, it):
+            calls.append((it, [t.id for t in self.eval_tasks], FakeRoles.active))
+            if it == "boom":
+                raise RuntimeError
+            return {"eval/success_rate": 0.25, "eval/num_episodes": len(self.eval_tasks), "eval/gen/policy/texts": 9,
+                    "eval/prompt/fitted": 1, "eval/critic_auc": 0.5, "time/eval": 1.5, "train/other": 3}
+
+    class Learner:
+        def routing(self):
+            return {"successor": "frozen"}, {"frozen": "params"}
+
+    run = FakeRun()
+    saved = run.eval_tasks
+    out = unit_scale.final_evaluation(run, 7, Learner())
+    assert calls == [(unit_scale.FINAL_EVAL_ITERATION, ["t0", "t1", "t2", "t0", "t1", "t2", "t0"],
+                      ({"successor": "frozen"}, {"frozen": "params"}))]
+    assert out == {"final/success_rate": 0.25, "final/num_episodes": 7, "final/critic_auc": 0.5,
+                   "time/final_eval": 1.5}
+    assert run.eval_tasks is saved
+    unit_scale.final_evaluation(run, 2)  # no learner (the warm_start arm): no routing
+    assert calls[-1] == (unit_scale.FINAL_EVAL_ITERATION, ["t0", "t1"], ({}, {}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(unit_scale, "FINAL_EVAL_ITERATION", "boom")
+        with pytest.raises(RuntimeError):
+            unit_scale.final_evaluation(run, 4)
+    assert run.eval_tasks is saved
+    assert unit_scale.FINAL_EVAL_ITERATION != -1  # not the warm start's own (small) evaluation's phase
+
+
+def test_final_table_by_hand():
+    """final_table: per arm the final evaluation's success per seed, mean ± population std, each seed's difference
+    to its own warm start in points and the binomial standard error of that difference; arms without it left out."""
+    from nlac_jax.experiments.unit_scale import final_table
+    def rows(p, n=400):
+        return [{"iteration": 0, "eval/success_rate": 0.9}, {"final/success_rate": p, "final/num_episodes": n}]
+    results = {"warm_start": {1: rows(0.5), 2: rows(0.25)}, "nlac": {1: rows(0.6), 2: rows(0.25, 100)},
+               "rft": {1: [{"eval/success_rate": 0.3}]}}
+    lines = final_table(results).splitlines()
+    assert len(lines) == 4 and not any("| rft |" in ln for ln in lines)
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]
+    # seed 1: +10 points, SE 100 * sqrt(.6 * .4 / 400 + .5 * .5 / 400) = 3.50; seed 2: 0, sqrt(.1875/100 + .1875/400)
+    assert cells == ["nlac", "[100, 400]", "0.425 ± 0.175", "0.600 / 0.250", "+10.0 / +0.0", "+5.0 ± 5.0",
+                     "3.5 / 4.8"], cells
+    assert [c.strip() for c in lines[2].split("|")[1:-1]][:5] == ["warm_start", "[400]", "0.375 ± 0.125",
+                                                                   "0.500 / 0.250", "–"]
+    assert final_table({"nlac": {1: [{"eval/success_rate": 0.3}]}}) == ""
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
