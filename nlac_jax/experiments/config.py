@@ -57,6 +57,10 @@ class UnitScaleConfig:
       every arm that obeys the warm-up also trains on this many of its seed's corpus-game policy examples
       (`unit_scale.warmup_policy_pool`; what the warm start already imitates, nothing of the RL game), so the policy
       is held while L1 moves the shared parameters (the learned-critic corpora only; 0: none).
+    warm_start_from: {seed: directory}: a finished warm start to use for that seed instead of building one (a
+      shipped one, or another workdir's `warm_start_seed_<s>`); its recorded configuration must match this
+      experiment's warm-start fields (`unit_scale.WARM_START_FIELDS`, and the seed where it was recorded), or the
+      run stops with one line naming the field.
     final_eval_episodes: after its last iteration, every arm (`warm_start` included: the warm start itself) is
       evaluated once more on this many held-out episodes (the test tasks cycled, as LoopConfig.eval_episodes does),
       under the same phase seed for every arm of a seed (`unit_scale.final_evaluation`), into the `final/` metrics
@@ -87,6 +91,7 @@ class UnitScaleConfig:
     warmup_policy_rehearsal: int = 0
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
     final_eval_episodes: int = 0
+    warm_start_from: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -104,6 +109,10 @@ class UnitScaleConfig:
             raise ValueError("UnitScaleConfig.warm_role_repeat leaves every role out of the warm start")
         if not self.seeds:
             raise ValueError("UnitScaleConfig.seeds is empty")
+        for seed, d in dict(self.warm_start_from).items():
+            if isinstance(seed, bool) or not isinstance(seed, int) or not isinstance(d, str) or not d:
+                raise ValueError(f"UnitScaleConfig.warm_start_from maps a seed (int) to a directory (str), got "
+                                 f"{seed!r}: {d!r}")
         if int(self.final_eval_episodes) < 0:
             raise ValueError(f"UnitScaleConfig.final_eval_episodes must be >= 0, got {self.final_eval_episodes!r}")
         if int(self.warmup_policy_rehearsal) < 0:

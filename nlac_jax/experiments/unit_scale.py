@@ -74,9 +74,41 @@ def repeat_roles(examples: list, repeat: dict) -> list:
     return [e for e in examples for _ in range(int(repeat.get(e.role, 1)))]
 
 
+# the UnitScaleConfig fields a warm start is built from: one given by `warm_start_from` must have been built with
+# the same values (its warm_start.json records them)
+WARM_START_FIELDS = ("corpus", "n", "corpus_episodes", "corpus_seed", "corpus_mix", "warm_steps", "warm_batch_size",
+                     "warm_learning_rate", "warm_max_len", "warm_seed", "warm_bucket_multiple", "warm_start_per_seed",
+                     "warm_role_repeat")
+
+
+def check_given_warm_start(directory: str, xcfg, seed: int) -> None:
+    """ValueError (one line) unless ``directory`` holds a finished warm start built with this experiment's
+    WARM_START_FIELDS (and for ``seed``, where its metadata records the seed)."""
+    where = f"UnitScaleConfig.warm_start_from[{seed}] = {directory!r}"
+    meta_path = os.path.join(directory, warm_start.WARM_START_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{where}: no {warm_start.WARM_START_META} there (not a finished warm start)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    recorded = meta.get("config", {})
+    current = json.loads(json.dumps(dataclasses.asdict(xcfg)))  # tuples as lists, as the metadata holds them
+    for field in WARM_START_FIELDS:
+        if recorded.get(field) != current[field]:
+            raise ValueError(f"{where}: it was built with {field} = {recorded.get(field)!r}, this experiment has "
+                             f"{current[field]!r}")
+    if xcfg.warm_start_per_seed and "seed" in meta and meta["seed"] != seed:
+        raise ValueError(f"{where}: it is seed {meta['seed']}'s warm start")
+
+
 def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
-    """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused).
-    Per-seed warm starts use corpus seed ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
+    """Seed ``seed``'s warm start as an HF directory (`warm_start_dir`; built once, a finished one is reused; one
+    given by `UnitScaleConfig.warm_start_from` is checked and used as it is). Per-seed warm starts use corpus seed
+    ``corpus_seed + seed`` and warm-start seed ``warm_seed + seed``."""
+    given = dict(xcfg.warm_start_from).get(seed)
+    if given is not None:
+        check_given_warm_start(given, xcfg, seed)
+        _progress(workdir, f"warm start seed {seed}: {given} (UnitScaleConfig.warm_start_from)")
+        return given
     out = warm_start_dir(workdir, xcfg, seed)
     if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
         _progress(workdir, f"warm start: reusing {out}")
@@ -100,7 +132,7 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     seconds = time.perf_counter() - t0
     tmp = out + ".tmp"
     warm_start.save_warm_start(state, model_cfg, tok, tmp, metadata={
-        "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg)})
+        "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg), "seed": seed})
     os.replace(tmp, out)  # the metadata file marks a complete warm start: never reuse a half-written one
     last = history[-1] if history else {}
     _progress(workdir, f"warm start {os.path.basename(out)}: {len(examples)} corpus examples, {xcfg.warm_steps} "

@@ -421,6 +421,39 @@ def test_final_table_by_hand():
     assert final_table({"nlac": {1: [{"eval/success_rate": 0.3}]}}) == ""
 
 
+def test_a_given_warm_start_is_checked_and_used_without_building(tmp_path):
+    """UnitScaleConfig.warm_start_from: a finished warm start built with the experiment's warm-start fields is used
+    as it is (nothing built in the workdir); a missing one, one built otherwise, or another seed's is one line."""
+    import dataclasses
+    from nlac_jax.experiments import unit_scale
+    from nlac_jax.experiments.config import UnitScaleConfig
+    xcfg = UnitScaleConfig(corpus="toy_forecast", corpus_episodes=3000, warm_start_per_seed=True,
+                           warm_role_repeat={"policy": 2}, warm_start_from={42: str(tmp_path / "ws")})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+
+    def write(config, **meta):
+        (ws / "warm_start.json").write_text(json.dumps({"config": json.loads(json.dumps(config)), **meta}))
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    with pytest.raises(ValueError, match=r"warm_start_from\[42\] = .*: no warm_start.json there"):
+        unit_scale.build_warm_start(str(workdir), xcfg, 42)
+    write(dataclasses.asdict(dataclasses.replace(xcfg, arms=("nlac",), seeds=(7,), iterations=3)), seed=42)
+    assert unit_scale.build_warm_start(str(workdir), xcfg, 42) == str(ws)  # arms, seeds, iterations: not its fields
+    assert sorted(os.listdir(workdir)) == ["progress.log"] and "warm_start_from" in (workdir / "progress.log").read_text()
+    write(dataclasses.asdict(dataclasses.replace(xcfg, corpus_episodes=300)), seed=42)
+    with pytest.raises(ValueError, match="built with corpus_episodes = 300, this experiment has 3000"):
+        unit_scale.build_warm_start(str(workdir), xcfg, 42)
+    write(dataclasses.asdict(dataclasses.replace(xcfg, warm_role_repeat={"policy": 3})), seed=42)
+    with pytest.raises(ValueError, match="warm_role_repeat"):
+        unit_scale.build_warm_start(str(workdir), xcfg, 42)
+    write(dataclasses.asdict(xcfg), seed=43)
+    with pytest.raises(ValueError, match="it is seed 43's warm start"):
+        unit_scale.build_warm_start(str(workdir), xcfg, 42)
+    with pytest.raises(ValueError, match="maps a seed"):
+        UnitScaleConfig(warm_start_from={"42": "x"})
+
+
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
     """SkillRehearsal: the wrapped arm's examples unchanged and first, then per_iteration pool examples drawn from
     (seed, iteration) alone (the arm's RNG is untouched, so the arm decides the same with or without it); the wrapped
