@@ -424,17 +424,20 @@ def final_table(results: dict) -> str:
         if not any(math.isfinite(v) for v in vals.values()):
             continue
         ns = {s: int(rows[-1].get("final/num_episodes") or 0) for s, rows in per_seed.items() if rows}
-        diffs, ses = [], []
+        diffs, cells, se_cells = [], [], []  # a seed without both evaluations: "–" in its place
         for s, v in vals.items():
             w = final(warm.get(s, []))
             n, nw = ns.get(s, 0), int((warm.get(s) or [{}])[-1].get("final/num_episodes") or 0)
             if arm == "warm_start" or not (math.isfinite(v) and math.isfinite(w) and n and nw):
+                cells.append("–")
+                se_cells.append("–")
                 continue
             diffs.append(100 * (v - w))
-            ses.append(100 * math.sqrt(v * (1 - v) / n + w * (1 - w) / nw))
-        per = " / ".join(f"{v:.3f}" for v in vals.values())
-        d = " / ".join(f"{x:+.1f}" for x in diffs) or "–"
-        se = " / ".join(f"{x:.1f}" for x in ses) or "–"
+            cells.append(f"{diffs[-1]:+.1f}")
+            se_cells.append(f"{100 * math.sqrt(v * (1 - v) / n + w * (1 - w) / nw):.1f}")
+        per = " / ".join(f"{v:.3f}" if math.isfinite(v) else "–" for v in vals.values())
+        d = " / ".join(cells) if diffs else "–"
+        se = " / ".join(se_cells) if diffs else "–"
         mean_d = f"{np.mean(diffs):+.1f} ± {np.std(diffs):.1f}" if diffs else "–"
         lines.append(f"| {arm} | {sorted(set(ns.values()))} | {_mean_std(list(vals.values()))} | {per} | {d} | "
                      f"{mean_d} | {se} |")

@@ -419,6 +419,11 @@ def test_final_table_by_hand():
     assert [c.strip() for c in lines[2].split("|")[1:-1]][:5] == ["warm_start", "[400]", "0.375 ± 0.125",
                                                                    "0.500 / 0.250", "–"]
     assert final_table({"nlac": {1: [{"eval/success_rate": 0.3}]}}) == ""
+    # a seed whose warm start has no final evaluation keeps its place, as "–"
+    results["nlac"][3] = rows(0.5)
+    results["warm_start"][3] = [{"eval/success_rate": 0.3}]
+    cells = [c.strip() for c in final_table(results).splitlines()[3].split("|")[1:-1]]
+    assert cells[4] == "+10.0 / +0.0 / –" and cells[5] == "+5.0 ± 5.0" and cells[6] == "3.5 / 4.8 / –", cells
 
 
 def test_a_given_warm_start_is_checked_and_used_without_building(tmp_path):
