@@ -103,13 +103,7 @@ def write_report(out: str, workdirs: Sequence[str], arms: Sequence[str] | None =
     the table (as results.md holds it)."""
     results, seconds, premise, corpus = pool(workdirs, arms)
     os.makedirs(out, exist_ok=True)
-    table = unit_scale.results_table(results, seconds, None, unit_scale.table_keys(corpus))
-    final = unit_scale.final_table(results)
-    if final:
-        table += ("\n\nThe final evaluation (`UnitScaleConfig.final_eval_episodes`, the same phase seed for every arm "
-                  "of a seed):\n\n" + final)
-    if premise:
-        table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in premise.items())
+    table = unit_scale.report_table(results, seconds, None, unit_scale.table_keys(corpus), premise)
     curves, critic = unit_scale.plot_results(results, out)
     sources = "\n".join(f"- `{d}`" for d in workdirs)
     with open(os.path.join(out, "results.md"), "w") as f:

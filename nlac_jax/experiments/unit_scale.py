@@ -448,6 +448,19 @@ def final_table(results: dict) -> str:
                       "|" + "---|" * 7] + lines)
 
 
+def report_table(results: dict, seconds: dict, reference: dict | None, keys: tuple, premise: dict) -> str:
+    """What results.md holds between its title and its figures: `results_table`, the final evaluation's
+    `final_table` where the arms have it, and each seed's premise line ({seed: (passed, line)})."""
+    table = results_table(results, seconds, reference, keys)
+    final = final_table(results)
+    if final:
+        table += ("\n\nThe final evaluation (`UnitScaleConfig.final_eval_episodes`, the same phase seed for every arm "
+                  "of a seed):\n\n" + final)
+    if premise:
+        table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
+    return table
+
+
 def _curves(ax, results: dict, key: str, title: str) -> None:
     for arm, per_seed in results.items():
         color = f"C{ARMS.index(arm) % 10}"  # one colour per arm in every panel and figure
@@ -636,13 +649,7 @@ def run_experiment(workdir: str) -> dict:
             wasted_numbers=sorted(run.judge_env.wasted_numbers), corpus_waste_every=corpus_rule())
     else:
         reference = corpus.reference_success_rates(xcfg.n, tasks, seed=0, mix=xcfg.corpus_mix)
-    table = results_table(results, seconds, reference, table_keys(xcfg.corpus))
-    final = final_table(results)
-    if final:
-        table += ("\n\nThe final evaluation (`UnitScaleConfig.final_eval_episodes`, the same phase seed for every arm "
-                  "of a seed):\n\n" + final)
-    if premise:
-        table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
+    table = report_table(results, seconds, reference, table_keys(xcfg.corpus), premise)
     curves, critic = plot_results(results, workdir)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write(f"# Unit-scale experiment ({len(tasks)} held-out episodes over {len({t.id for t in tasks})} test "
