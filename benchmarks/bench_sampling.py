@@ -199,14 +199,14 @@ def main(argv=None):
         print(f"\nPrompts sharing a {args.shared_prefix}-token prefix, each with its own {args.suffix_len} tokens, "
               f"{N} greedy new tokens (seconds per call, best of {args.repeats}; transformers has no prefix cache)"
               "\n\n| dtype | prompts | ours (prefix once) s | ours, no sharing s | transformers s | sharing / no "
-              "sharing | ours / transformers | prefill tokens ours / presented | greedy agree (ours vs no sharing, "
-              "vs transformers) |\n|---|---|---|---|---|---|---|---|---|")
+              "sharing | ours / transformers | prefill tokens ours / presented | prefill slots ours (padding included) | "
+              "greedy agree (ours vs no sharing, vs transformers) |\n|---|---|---|---|---|---|---|---|---|---|")
         for r in prefixed:
             hf = "-" if r["hf"] is None else f"{r['hf']:.2f}"
             vs = "-" if r["hf"] is None else f"{r['hf'] / r['ours']:.2f}x"
             ag = "-" if r["agree_hf"] is None else f"{r['agree_hf']:.0%}"
             print(f"| {r['dtype']} | {r['B']} | {r['ours']:.2f} | {r['plain']:.2f} | {hf} | "
-                  f"{r['plain'] / r['ours']:.2f}x | {vs} | {r['computed']} / {r['presented']} | "
+                  f"{r['plain'] / r['ours']:.2f}x | {vs} | {r['computed']} / {r['presented']} | {r['slots']} | "
                   f"{r['agree_plain']:.0%}, {ag} |")
     if args.only_shared:
         return prefixed
@@ -290,7 +290,7 @@ def shared_prefix_rows(args, m, hm, batches, dtype) -> list[dict]:
                 best[k] = min(best[k], time.perf_counter() - t)
         ours = res["ours"]
         row = dict(dtype=dtype, B=B, ours=best["ours"], plain=best["plain"], hf=best.get("hf"),
-                   computed=int(ours.prefill_tokens), presented=B * (P + S),
+                   computed=int(ours.prefill_tokens), presented=B * (P + S), slots=int(ours.prefill_slots),
                    agree_plain=float((ours.tokens == res["plain"].tokens).mean()),
                    agree_hf=float((res["hf"][:, P + S:].numpy() == ours.tokens).mean()) if "hf" in res else None)
         assert ours.shared_prefix == P, (ours.shared_prefix, P)

@@ -73,13 +73,18 @@ Design
   common prefix of at least that many tokens (the system prompt and tool schemas of every role's prompt), `prefix`
   prefills `prefix_to_share` of it once (P tokens, unpadded, on D = data-parallel rows) into the first P slots of
   the usual T + N cache, and `prefill` / `refill` start every prompt from a copy of those rows and prefill only its
-  rest, left-padded into the other T - P (`models.decoder.extend`; positions continue from the prefix's real
-  tokens, so the padded gap never shifts RoPE). Greedy outputs equal the unshared path's; sampled rows keep
-  following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
+  rest, left-padded into the next R slots (`models.decoder.extend`; positions continue from the prefix's real
+  tokens, so the padded gap never shifts RoPE). R (`Sampler.rest_width`) is the power of two that holds the
+  longest rest, capped at T - P: a call whose prompts share 1,536 of 1,600 tokens prefills 64-token rests in 64
+  slots, not in the 512 its 2,048-token bucket leaves (the cache keeps its T + N slots, so the decode executables
+  do not change; the last T - P - R are never written). R depends on the call's data alone, so a resumed process
+  picks what the uninterrupted one did; each new R compiles one prefill (with trunks, their grid fixes the widths
+  instead). Greedy outputs equal the unshared path's; sampled rows keep following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
   compiled at the same buckets when one is within 3/4 of the common prefix: few, sticky shapes (the loop's
   no-recompilation test holds). The decode executables are the unshared path's (same cache length). Not for
-  sliding-window configs (their window is measured in slots). `GenerateOutput.shared_prefix` / `prefill_tokens`
-  say what a call shared and computed.
+  sliding-window configs (their window is measured in slots). `GenerateOutput.shared_prefix` / `prefill_tokens` /
+  `prefill_slots` say what a call shared, which prompt tokens it computed, and how many slots its prefills ran
+  (padding included).
 * Across calls (`Sampler(prefix_store=4)`, the default): the last 4 common prefixes (and, with trunks, trunk
   sets) are kept with the parameter tree they were computed under, at their filled slots. A later call with the
   same common prefix under the same tree (an NLAC targets phase: every role's call starts with the environment's

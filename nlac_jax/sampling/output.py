@@ -36,6 +36,9 @@ class GenerateOutput:
     token_slots: int = 0  # row-rounds the compiled code ran (rows x rounds, filler and finished rows included)
     shared_prefix: int = 0  # tokens of the prompts' common prefix, prefilled once for the whole call (0: none)
     prefill_tokens: int = 0  # real prompt tokens prefilled: the shared prefix once, each prompt's rest once
+    # prompt slots the prefill executables ran (rows x width: padding, the D data-parallel copies of the shared
+    # prefix and filler rows included): the work behind prefill_tokens
+    prefill_slots: int = 0
 
     @property
     def useful_token_fraction(self) -> float:

@@ -284,17 +284,18 @@ class Sampler:
         with self._mesh_ctx():
             params = self.run_params(self.place_params(params))
             if slots is not None and B > int(slots):
-                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled = self._continuous(
+                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled, prefill_slots = self._continuous(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, int(slots), refill_rows, common)
             else:
-                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled = self._one_batch(
+                tokens, logprobs, lengths, reason, steps, token_slots, L, prefilled, prefill_slots = self._one_batch(
                     params, prompts, per_prompt, max_new_tokens, key, ctl, common)
         out = finish_rows(tokens[:B, :max_new_tokens], logprobs[:B, :max_new_tokens], lengths[:B], reason[:B],
                           tokenizer, stop_strings, host_check)
         return dataclasses.replace(
             out, prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), per_prompt),
             prompt_tokens_dropped=np.repeat(np.asarray(dropped), per_prompt), num_steps=int(steps),
-            token_slots=int(token_slots), shared_prefix=L, prefill_tokens=int(prefilled))
+            token_slots=int(token_slots), shared_prefix=L, prefill_tokens=int(prefilled),
+            prefill_slots=int(prefill_slots))
 
     def device_rows(self, *arrays):
         """Host arrays [rows, ...] placed on the mesh with their leading axis on 'batch' (as they are without one).
@@ -375,7 +376,7 @@ class Sampler:
         keep = np.full((len(prompts),), shared, np.int32)
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
         if not G or len(prompts) < 2:  # (one prompt: nothing to share, and no grid compiled for it)
-            return rests, width, cache, None, keep, shared, computed, None
+            return rests, width, cache, None, keep, shared, computed, computed * D, None
         start = None
         if cache is not None:
             src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
@@ -397,9 +398,9 @@ class Sampler:
         if kept is not None:  # an earlier call's trunks leave less to prefill: start from them
             old, trunks = kept
             return (old.rests(rests), width - old.width, self.fit(trunks, cache_len=cache_len), old.group,
-                    keep + old.keep, shared, computed, fresh)
+                    keep + old.keep, shared, computed, computed * D, fresh)
         if plan is None:
-            return rests, width, cache, None, keep, shared, computed, fresh
+            return rests, width, cache, None, keep, shared, computed, computed * D, fresh
         ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
         cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
         if self.prefix_store:  # kept at the slots it fills (common prefix + trunk width) and fitted back
@@ -408,7 +409,19 @@ class Sampler:
                                  cut)] + self._trunk_sets[:self.prefix_store - 1]
             cache = self.fit(cut, cache_len=cache_len)
         return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
-                computed + sum(map(len, plan.trunks)), fresh)
+                computed + sum(map(len, plan.trunks)), computed * D + G * plan.width, fresh)
+
+    def rest_width(self, rests: Sequence[list], width: int, start) -> int:
+        """The slot width each prompt's rest is prefilled in, after a start cache (`_starts`): `width` (the prompt
+        bucket minus the shared prefix) or, when the rests are short, the power of two that holds the longest
+        (at least `min_prompt_bucket`): a call whose prompts share 1,536 of 1,600 tokens prefills 64-token rests in
+        64 slots instead of the 512 the 2,048-token bucket leaves, each row's rest then sitting right after the
+        prefix. The cache length, so every decode executable, is unchanged; the prefill compiles once per rest
+        width, a function of the call's data alone (no history: a resumed process picks what the uninterrupted one
+        did). Without a start cache, or with trunks (their grid compiles every rest width it may plan), `width`."""
+        if start is None or self.trunk_rows or not rests:
+            return width
+        return min(width, bucket_length(max(map(len, rests)), self.min_prompt_bucket))
 
     def _kept_trunks(self, params, prefix, rests, width: int, grid, plan):
         """(the plan over kept trunks, their cut cache) when one of `_trunk_sets` (same parameter tree and common
@@ -466,12 +479,14 @@ class Sampler:
         the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a
         `common` prefix, the first `shared` tokens (`_pick_shared`) are prefilled once, into the first `shared`
         slots of the prompt bucket (then the trunks, `_starts`), and each prompt's rest fills the other slots (same
-        cache length, same decode). Returns the per-row arrays, the rounds, the token slots, `shared` and the
-        prompt tokens prefilled."""
+        cache length, same decode). Returns the per-row arrays, the rounds, the token slots, `shared`, the
+        prompt tokens prefilled and the prompt slots prefilled (padding included)."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
         full = Tb
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, fresh = self._starts(params, prompts, Tb, Nb, common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, slots, fresh = self._starts(params, prompts, Tb, Nb,
+                                                                                        common)
+        Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
         src = None
@@ -491,8 +506,8 @@ class Sampler:
                 (params, i, m, live, key, ctl, src, pre), dict(new_bucket=Nb)))
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
         holds = [b if b < P else -1 for b in range(Bb)]
-        return run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb,
-                         rows=P) + (shared, prefilled)
+        out = run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb, rows=P)
+        return out[:-1] + (shared, prefilled, slots + Ub * Tb)
 
     def _continuous(self, params, prompts, n, max_new_tokens, key, ctl, slots, refill_rows, common=0):
         """Continuous batching over a fixed slot count: refill finished rows with waiting prompts between decode
@@ -502,7 +517,9 @@ class Sampler:
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len = Tb + Nb
         # (continuous batching compiles its refill's rest widths as they come: the loop does not use it)
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, _ = self._starts(params, prompts, Tb, Nb, common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _ = self._starts(params, prompts, Tb, Nb,
+                                                                                           common)
+        Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         dp = self.data_parallel
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)
@@ -516,9 +533,10 @@ class Sampler:
             Ru -= dp
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
-        return run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
-                         rows=len(prompts) * n, prompt_bucket=Tb,
-                         prefix=None if cache is None else (cache, psrc, pkeep)) + (shared, prefilled)
+        out = run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
+                        rows=len(prompts) * n, prompt_bucket=Tb,
+                        prefix=None if cache is None else (cache, psrc, pkeep))
+        return out[:-1] + (shared, prefilled, start_slots + out[-1])
 
     __call__ = generate
 

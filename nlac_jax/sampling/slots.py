@@ -35,8 +35,9 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
     """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
     Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
     each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
-    arrays in row order, decode rounds and token slots. prefix: None, or (the start cache, the cache row of each
-    prompt or None, the tokens each prompt keeps of it: `Sampler._starts`)."""
+    arrays in row order, decode rounds, token slots and the prompt slots the refills prefilled (rows x width,
+    padding included). prefix: None, or (the start cache, the cache row of each prompt or None, the tokens each
+    prompt keeps of it: `Sampler._starts`)."""
     P, B, Ru = rows, len(holds), refill_rows
     top = B
     R = Ru * n  # slot entries per refill
@@ -45,7 +46,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
     out_lp = np.zeros((P, Nb), np.float32)
     out_len = np.zeros((P,), np.int32)
     out_reason = np.zeros((P,), np.int32)
-    collected = 0
+    collected = refilled = 0
     steps = int(fetch(st.step))
     while True:
         free = [b for b in range(B) if holds[b] < 0]
@@ -68,6 +69,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
             idx, row_ids, src = sampler.replicated((idx, row_ids, src if n > 1 else None))
             st = sampler.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, start)
             nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
+            refilled += Ru * prompt_bucket
             continue  # fill every free slot before decoding
         if nxt < P:  # return when a refill's worth has finished
             ret = len(free) + min(R, P - nxt)
@@ -87,7 +89,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
                 holds[b] = -1
                 collected += 1
         if collected == P:
-            return out_tok, out_lp, out_len, out_reason, steps, slots_used
+            return out_tok, out_lp, out_len, out_reason, steps, slots_used, refilled
         # drain: halve the batch while the running rows fit (one level at a time: one compact executable per
         # level, all compiled by _compile_drain when the bucket was first seen)
         while nxt == P and (half := half_batch(B, top, sampler.compact_levels, sampler.data_parallel)) and sum(h >= 0 for h in holds) <= half:

@@ -67,6 +67,33 @@ def test_shared_prefix_greedy_equals_unshared_and_transformers(qwen):
     assert c.shared_prefix == PREFIX and dict(sampling.TRACE_COUNTS) == before
 
 
+def test_short_rests_prefill_in_their_own_bucket(qwen):
+    """Rests much shorter than the prompt bucket minus the shared prefix are prefilled in their own power-of-two
+    width (`Sampler.rest_width`), not in the slots the prompt bucket leaves after the prefix: 192 shared tokens
+    plus rests of at most 10 sit in the 256-token bucket, so each rest takes 16 slots instead of 64. Counted by
+    `prefill_slots` (by hand), and the tokens still equal the unshared path's and transformers', in one batch,
+    with n samples per prompt and with continuous batching."""
+    hm, m = qwen
+    rests = (1, 10, 4, 7, 2)
+    ps = _prompts(seed=4, prefix=192, rests=rests)
+    shared, plain = _pair(m.config)
+    kw = dict(max_new_tokens=16, stop_token_ids=())
+    a, b = shared.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
+    assert a.shared_prefix == 192 and a.prefill_tokens == 192 + sum(rests)
+    assert a.prefill_slots == 192 + 8 * 16  # the prefix once (one device), 8 rows (the batch bucket) of 16 slots
+    assert b.prefill_slots == 8 * 256  # every prompt in the 256-token bucket
+    _assert_same(a, b)
+    np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 16))
+    # a rest that needs more slots takes the next power of two, capped at what the bucket leaves (64)
+    assert shared.rest_width([[0] * 17, [0]], 64, start=object()) == 32
+    assert shared.rest_width([[0] * 60], 64, start=object()) == 64
+    assert shared.rest_width([[0] * 3], 64, start=None) == 64  # no start cache: the prompts' own bucket
+    for extra in (dict(n=2, temperature=1.0, seed=3), dict(slots=4, refill_rows=2)):
+        a, b = shared.generate(m.params, ps, **kw, **extra), plain.generate(m.params, ps, **kw, **extra)
+        _assert_same(a, b)
+    assert a.prefill_slots == 2 * 16 * 3  # (the prefix came from the store) 3 refills of 2 prompts, 16 slots each
+
+
 @pytest.mark.slow
 def test_shared_prefix_sampled_n_and_continuous_batching(qwen):
     """Sampled rows follow their prompt's index whichever path prefilled them: n samples per prompt and continuous
