@@ -438,7 +438,9 @@ def final_table(results: dict) -> str:
         per = " / ".join(f"{v:.3f}" if math.isfinite(v) else "–" for v in vals.values())
         d = " / ".join(cells) if diffs else "–"
         se = " / ".join(se_cells) if diffs else "–"
-        mean_d = f"{np.mean(diffs):+.1f} ± {np.std(diffs):.1f}" if diffs else "–"
+        # (one seed has no spread: its difference alone, as _mean_std writes one value)
+        mean_d = (f"{np.mean(diffs):+.1f} ± {np.std(diffs):.1f}" if len(diffs) > 1 else f"{diffs[0]:+.1f}" if diffs
+                  else "–")
         lines.append(f"| {arm} | {sorted(set(ns.values()))} | {_mean_std(list(vals.values()))} | {per} | {d} | "
                      f"{mean_d} | {se} |")
     if not lines:

@@ -424,6 +424,10 @@ def test_final_table_by_hand():
     results["warm_start"][3] = [{"eval/success_rate": 0.3}]
     cells = [c.strip() for c in final_table(results).splitlines()[3].split("|")[1:-1]]
     assert cells[4] == "+10.0 / +0.0 / –" and cells[5] == "+5.0 ± 5.0" and cells[6] == "3.5 / 4.8 / –", cells
+    # one seed: its difference, no spread ("± 0.0" would claim one)
+    cells = [c.strip() for c in final_table({"warm_start": {1: rows(0.5)}, "nlac": {1: rows(0.6)}}).splitlines()[3]
+             .split("|")[1:-1]]
+    assert cells[2:6] == ["0.600", "0.600", "+10.0", "+10.0"], cells
 
 
 def test_a_given_warm_start_is_checked_and_used_without_building(tmp_path):
