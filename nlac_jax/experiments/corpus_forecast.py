@@ -173,7 +173,8 @@ def forecast_reply(text: str) -> Optional[str]:
 
 
 def critique(state: Sequence[dict], action: str, future_text: str, n: int,
-             judge_range: bool = False, judge_single: bool = False) -> tuple[str, bool, str]:
+             judge_range: bool = False, judge_single: bool = False,
+             judge_repeat: bool = False) -> tuple[str, bool, str]:
     """The scripted evaluator and refiner: (critique, verdict, refined guess), from the PUBLIC state and the
     forecast only. A forecast reply "no answer" means the guess is wasted: move it to a neighbour (the guess + 1,
     or - 1 when + 1 is above the possible range); "error" means it is not a number: try the middle of the range.
@@ -184,8 +185,13 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int,
       the public state line the policy reads too: a skill, no knowledge of any waste rule.
     judge_single: where "Possible now" is one number, guessing it is optimal whatever the forecast says ("Guess 15
       is the only number possible."), and any other number is outside ("Guess 14 is outside 15 to 15: try 15."):
-      the hidden number is always answered "correct", in every game, so this too reads only the public state."""
-    lo, hi, _, _ = consistent_interval(state, n)
+      the hidden number is always answered "correct", in every game, so this too reads only the public state.
+    judge_repeat: a guess the transcript shows was guessed before is suboptimal whatever the forecast says ("Guess
+      15 was guessed before: try 16."): the nearest number not guessed yet inside the possible interval (from the
+      guess, upwards first; from the interval's middle when the guess lies outside it). A repeat is answered as it
+      was the first time in every game, so it is never better than a fresh guess: it reads the public history
+      alone (a string match, where the range critique needs a numeric comparison), no knowledge of any rule."""
+    lo, hi, _, guessed = consistent_interval(state, n)
     word = forecast_reply(future_text) or "unknown"
     g = parse_guess(action)
     head = f"Forecast reply: {word}."
@@ -198,10 +204,23 @@ def critique(state: Sequence[dict], action: str, future_text: str, n: int,
     if (judge_range or (judge_single and lo == hi)) and not lo <= g <= hi and lo <= hi:
         better = str((lo + hi) // 2)
         return f"{head} Guess {g} is outside {lo} to {hi}: try {better}.\nVerdict: suboptimal", False, better
+    if judge_repeat and g in guessed and lo <= hi:
+        better = str(_fresh_near(g if lo <= g <= hi else (lo + hi) // 2, lo, hi, guessed))
+        return f"{head} Guess {g} was guessed before: try {better}.\nVerdict: suboptimal", False, better
     if word == WASTED_REPLY:
         better = g + 1 if g + 1 <= hi else g - 1 if g - 1 >= lo else g
         return f"{head} Guess {g} is wasted: try {better}.\nVerdict: suboptimal", False, str(better)
     return f"{head} Guess {g} gets an answer.\nVerdict: optimal", True, str(g)
+
+
+def _fresh_near(x: int, lo: int, hi: int, guessed) -> int:
+    """The number in [lo, hi] not in ``guessed`` nearest to ``x`` (x itself, then x + 1, x - 1, x + 2, ...);
+    x when every number there was guessed."""
+    for d in range(0, hi - lo + 1):
+        for y in ((x,) if d == 0 else (x + d, x - d)):
+            if lo <= y <= hi and y not in guessed:
+                return y
+    return x
 
 
 # ------------------------------------------------------------------------------------------- the corpus
@@ -213,19 +232,25 @@ def _env(n: int, max_turns: Optional[int], waste_every: int = 0, wasted: Sequenc
 
 
 def _judge_examples(ps: PromptSet, n: int, task: Task, state: list, action: str, future_text: str,
-                    meta: dict, judge_range: bool = False, judge_single: bool = False) -> list[CorpusExample]:
-    text, verdict, refined = critique(state, action, future_text, n, judge_range, judge_single)
-    lo, hi, _, _ = consistent_interval(state, n)
+                    meta: dict, judge_range: bool = False, judge_single: bool = False,
+                    judge_repeat: bool = False) -> list[CorpusExample]:
+    text, verdict, refined = critique(state, action, future_text, n, judge_range, judge_single, judge_repeat)
+    lo, hi, _, guessed = consistent_interval(state, n)
     g = parse_guess(action)
-    m = dict(meta, verdict=verdict, refined=refined, out_of_range=g is not None and not lo <= g <= hi)
+    m = dict(meta, verdict=verdict, refined=refined, out_of_range=g is not None and not lo <= g <= hi,
+             repeat=g is not None and g in guessed)
     return [CorpusExample("evaluator", ps.evaluator(state, action, [future_text]), text, task.id, state, action, m),
             CorpusExample("refiner", ps.refiner(state, action, text, []), refined, task.id, state, action, m)]
 
 
 def _alternative(state: list, taken: str, n: int, rng: random.Random, jitter: float, p_non_number: float,
-                 p_out_of_range: float = 0.0) -> str:
+                 p_out_of_range: float = 0.0, p_repeat: float = 0.0) -> str:
     if rng.random() < p_non_number:
         return rng.choice(_NON_NUMBERS)
+    if p_repeat > 0 and rng.random() < p_repeat:  # (no draw at 0: the old corpora stay bit-identical)
+        asked = sorted(set(consistent_interval(state, n)[3]))
+        if asked:  # any earlier guess, answered or wasted
+            return str(rng.choice(asked))
     if p_out_of_range > 0 and rng.random() < p_out_of_range:  # (no draw at 0: the old corpora stay bit-identical)
         lo, hi, _, _ = consistent_interval(state, n)
         outside = [g for g in range(1, n + 1) if not lo <= g <= hi]
@@ -291,7 +316,7 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                             corpus_waste_p: Optional[float] = None,
                             p_out_of_range: float = 0.0,
                             corpus_wasted_numbers: Sequence[int] = (),
-                            endgame_episodes: int = 0) -> list[CorpusExample]:
+                            endgame_episodes: int = 0, p_repeat: float = 0.0) -> list[CorpusExample]:
     """Examples over ``tasks`` (cycled, reshuffled per epoch from ``seed``); deterministic given the arguments.
 
     episodes: corpus-game episodes (waste = multiples of ``corpus_waste_every``): per step a policy example and
@@ -308,6 +333,10 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
     p_out_of_range: > 0 turns on the range critique (:func:`critique`'s ``judge_range``) and makes each skill-game
       alternative, with this probability, a guess outside the possible range (half of them a repeat of an answered
       guess when there is one), so the evaluator sees what it judges. 0: the waste-only critique.
+    p_repeat: > 0 turns on the repeat critique (:func:`critique`'s ``judge_repeat``, every evaluator example) and
+      makes each skill-game alternative, with this probability, a repeat of an earlier guess (answered or wasted)
+      when there is one. The behaviour's own repeats (a waste-blind bisection after "no answer" may guess the same
+      number again) are judged by it too. 0: no repeat critique, and the corpora of earlier runs stay bit-identical.
     endgame_episodes: > 0 turns on the single-number critique (:func:`critique`'s ``judge_single``, in the skill
       games too) and adds this many :func:`endgame_episode` games (random waste sets, the TRAIN tasks; ``game``
       "skill", ``source`` "endgame"). At each one's cornered state: a policy example (guess the one number), the
@@ -343,7 +372,7 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
             assert cf[t].state == tr.state  # deterministic env: same prefix, same state
             out.append(CorpusExample("successor", ps.successor(tr.state, alt), forecast(cf[t:], ps, cfg), task.id,
                                      tr.state, alt, dict(meta, source="alternative", terminal=cf[t].done)))
-    judge_range, judge_single = p_out_of_range > 0, endgame_episodes > 0
+    judge_range, judge_single, judge_repeat = p_out_of_range > 0, endgame_episodes > 0, p_repeat > 0
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-skill", seed).take(max(skill_episodes, 0))):
         env, rng, traj = skill_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
         summaries = [forecast(traj[t:], ps, cfg) for t in range(len(traj))]
@@ -353,14 +382,16 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
                         episode_length=len(traj))
             if not tr.done:
                 out.append(backup_example(ps, cfg, traj, summaries, t, task.id, meta))
-            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range, judge_single)
-            alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range)
+            out += _judge_examples(ps, n, task, tr.state, tr.action, summaries[t], meta, judge_range, judge_single,
+                                   judge_repeat)
+            alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range, p_repeat)
             cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
             cf_summaries = [None] * t + [forecast(cf[i:], ps, cfg) for i in range(t, len(cf))]
             ameta = dict(meta, source="alternative")
             if not cf[t].done:  # the counterfactual step's backup too: the skill is the longest prompt to learn
                 out.append(backup_example(ps, cfg, cf, cf_summaries, t, task.id, ameta))
-            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range, judge_single)
+            out += _judge_examples(ps, n, task, tr.state, alt, cf_summaries[t], ameta, judge_range, judge_single,
+                                   judge_repeat)
     for ep, task in enumerate(TaskCursor(list(tasks), "forecast-endgame", seed).take(max(endgame_episodes, 0))):
         got = endgame_episode(task, n, seed, ep, skill_waste_p, jitter, max_turns)
         if got is None:
@@ -373,15 +404,15 @@ def build_forecast_examples(tasks: Sequence[Task], n: int, episodes: int, skill_
         out.append(CorpusExample("policy", ps.policy(tr.state), tr.action, task.id, tr.state, "", dict(meta)))
         out.append(CorpusExample("successor", ps.successor(tr.state, tr.action), d_t, task.id, tr.state,
                                  tr.action, dict(meta, terminal=True)))
-        out += _judge_examples(ps, n, task, tr.state, tr.action, d_t, meta, judge_range, True)
+        out += _judge_examples(ps, n, task, tr.state, tr.action, d_t, meta, judge_range, True, judge_repeat)
         wrong = outcome_line(False, 0.0) + f"\nReply: {WASTED_REPLY}."
         out += _judge_examples(ps, n, task, tr.state, tr.action, wrong, dict(meta, source="endgame_no_answer"),
-                               judge_range, True)
+                               judge_range, True, judge_repeat)
         # every other number is outside the range: a repeat of an answered guess half the time when there is one
         alt = _alternative(tr.state, tr.action, n, rng, jitter, p_non_number, p_out_of_range=1.0)
         cf = play_episode(env, task, _chooser(n, rng, jitter, prefix=actions[:t] + [alt]))
         out += _judge_examples(ps, n, task, tr.state, alt, forecast(cf[t:], ps, cfg),
-                               dict(meta, source="endgame_alternative"), judge_range, True)
+                               dict(meta, source="endgame_alternative"), judge_range, True, judge_repeat)
     return out
 
 
@@ -400,14 +431,15 @@ def forecast_corpus(n: int, episodes: int, seed: int, skill_episodes: int = 200,
                     skill_waste_p: float = 0.35, jitter: float = 0.25, max_turns: Optional[int] = None,
                     task_source: Optional[GuessNumberTaskSource] = None,
                     corpus_waste_p: Optional[float] = None, p_out_of_range: float = 0.0,
-                    corpus_wasted_numbers: Sequence[int] = (), endgame_episodes: int = 0) -> list[CorpusExample]:
+                    corpus_wasted_numbers: Sequence[int] = (), endgame_episodes: int = 0,
+                    p_repeat: float = 0.0) -> list[CorpusExample]:
     """The learned-critic warm-start corpus (:func:`build_forecast_examples`) over the TRAIN split only (asserted:
     no held-out task id can appear). The knobs are gin bindings (``experiments.forecast_corpus.*``)."""
     return build_forecast_examples(_train_tasks(n, task_source), n, episodes, skill_episodes, seed,
                                    corpus_waste_every=corpus_waste_every, skill_waste_p=skill_waste_p,
                                    jitter=jitter, max_turns=max_turns, corpus_waste_p=corpus_waste_p,
                                    p_out_of_range=p_out_of_range, corpus_wasted_numbers=corpus_wasted_numbers,
-                                   endgame_episodes=endgame_episodes)
+                                   endgame_episodes=endgame_episodes, p_repeat=p_repeat)
 
 
 def reference_success_rates(n: int, tasks: Sequence[Task], waste_every: int, seed: int = 0, jitter: float = 0.25,
@@ -572,7 +604,7 @@ def rule_numbers(rule: str, n: int) -> tuple[int, ...]:
 
 
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
-_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside|is the only)")
+_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside|is the only|was guessed before)")
 
 
 def named_guess(critique_text: str) -> Optional[str]:
@@ -582,7 +614,7 @@ def named_guess(critique_text: str) -> Optional[str]:
 
 
 def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: int = 48,
-                params: str = "policy", p_out_of_range: float = 0.0) -> dict:
+                params: str = "policy", p_out_of_range: float = 0.0, p_repeat: float = 0.0) -> dict:
     """What the critic roles CAN DO, independent of any waste rule: greedy outputs on ``per_role`` fresh skill-game
     examples (corpus seed ``seed``: other episodes than any warm start's) of each of :data:`SKILL_ROLES`, against
     the scripted targets. In a skill game the waste set is random, so only reading the prompt gets these right.
@@ -593,16 +625,19 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
     skill/refiner (the refiner plays the guess the critique names).
     p_out_of_range > 0 (the corpus's range critique, :func:`build_forecast_examples`): the probe's corpus has it
     too, and skill/evaluator_range is the verdict's accuracy on up to ``per_role`` evaluator prompts whose guess is
-    outside the possible range (an extra call)."""
+    outside the possible range (an extra call). p_repeat > 0 (the repeat critique): likewise, and
+    skill/evaluator_repeat is the verdict's accuracy on evaluator prompts whose guess repeats an earlier one."""
     ex = build_forecast_examples(_train_tasks(n, None), n, 0, max(8, per_role // 2), seed, prompts=prompts,
-                                 p_out_of_range=p_out_of_range)
+                                 p_out_of_range=p_out_of_range, p_repeat=p_repeat)
     rng = random.Random(f"toy-forecast-skill-probe:{seed}")
     greedy = greedy_settings(sampler, SKILL_ROLES)
     got: dict = {}
-    roles = list(SKILL_ROLES) + (["evaluator_range"] if p_out_of_range > 0 else [])
+    special = {"evaluator_range": "out_of_range", "evaluator_repeat": "repeat"}  # evaluator prompts of one kind
+    roles = (list(SKILL_ROLES) + (["evaluator_range"] if p_out_of_range > 0 else [])
+             + (["evaluator_repeat"] if p_repeat > 0 else []))
     for name in roles:
-        role = "evaluator" if name == "evaluator_range" else name
-        pool = [e for e in ex if e.role == role and (name != "evaluator_range" or e.meta["out_of_range"])]
+        role = "evaluator" if name in special else name
+        pool = [e for e in ex if e.role == role and (name not in special or e.meta[special[name]])]
         if not pool:
             continue
         xs = rng.sample(pool, min(per_role, len(pool)))
@@ -612,8 +647,8 @@ def skill_probe(sampler, prompts: PromptSet, n: int, seed: int = 99, per_role: i
 
         def frac(pred):
             return sum(bool(pred(o, t, e)) for o, t, e in pairs) / max(1, len(pairs))
-        if name == "evaluator_range":
-            got["skill/evaluator_range"] = frac(lambda o, t, e: o.split("\n")[-1] == t.split("\n")[-1])
+        if name in special:
+            got[f"skill/{name}"] = frac(lambda o, t, e: o.split("\n")[-1] == t.split("\n")[-1])
         elif role == "backup":
             got["skill/backup_reply"] = frac(lambda o, t, e: forecast_reply(o) == forecast_reply(t))
             got["skill/backup_outcome"] = frac(lambda o, t, e: o.split("\n")[0] == t.split("\n")[0])
@@ -683,6 +718,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--policy_temperature", type=float, default=1.0, help="the policy's temperature (0: greedy)")
     p.add_argument("--p_out_of_range", type=float, default=0.0,
                    help="the skill probe's corpus judges the range too (forecast_corpus.p_out_of_range)")
+    p.add_argument("--p_repeat", type=float, default=0.0,
+                   help="the skill probe's corpus judges repeated guesses too (forecast_corpus.p_repeat)")
     args = p.parse_args(argv)
     try:
         wasted = (rule_numbers(args.wasted, args.n) if args.wasted in WASTE_RULES
@@ -697,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     roles = ModelRoleSampler(sampling.Sampler(cfg), tok, get_params=lambda _: params, settings=settings)
     ps = PromptSet(task="toy", prompt_set=PROMPT_SET)
     out = waste_probe(roles, ps, args.n, args.waste_every, args.corpus_waste_every, wasted_numbers=wasted)
-    out.update(skill_probe(roles, ps, args.n, p_out_of_range=args.p_out_of_range))
+    out.update(skill_probe(roles, ps, args.n, p_out_of_range=args.p_out_of_range, p_repeat=args.p_repeat))
     if args.policy_episodes > 0:
         tasks = [t for t in GuessNumberTaskSource(args.n).tasks("test") for _ in range(args.policy_episodes)]
         envs = [_env(args.n, None, args.waste_every, wasted) for _ in range(min(len(tasks), 64))]

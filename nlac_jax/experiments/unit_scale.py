@@ -81,9 +81,32 @@ WARM_START_FIELDS = ("corpus", "n", "corpus_episodes", "corpus_seed", "corpus_mi
                      "warm_role_repeat")
 
 
+def corpus_bindings(xcfg) -> dict:
+    """The gin bindings of the configured corpus's builder (``experiments.forecast_corpus.*`` or
+    ``experiments.twenty_questions_forecast_corpus.*``; {} for the oracle corpus, which has none), as JSON values:
+    what a warm start's corpus was built with besides the UnitScaleConfig fields."""
+    fn = {"toy_forecast": corpus_forecast.forecast_corpus,
+          "twenty_questions_forecast": corpus_20q.twenty_questions_forecast_corpus}.get(xcfg.corpus)
+    return {} if fn is None else json.loads(json.dumps(dict(sorted(gin.get_bindings(fn).items())), default=repr))
+
+
+def check_corpus_bindings(meta: dict, xcfg, where: str) -> None:
+    """ValueError (one line) when a warm start's metadata records corpus bindings (`corpus_bindings`; warm starts
+    built before 2026-12-07 record none and are not checked) other than this experiment's."""
+    if "corpus_bindings" not in meta:
+        return
+    recorded, current = meta["corpus_bindings"], corpus_bindings(xcfg)
+    if recorded != current:
+        diff = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
+        raise ValueError(f"{where}: its corpus was built with " + ", ".join(
+            f"{k} = {recorded.get(k, '(unbound)')!r}" for k in diff) + "; this experiment binds " + ", ".join(
+            f"{k} = {current.get(k, '(unbound)')!r}" for k in diff))
+
+
 def check_given_warm_start(directory: str, xcfg, seed: int) -> None:
     """ValueError (one line) unless ``directory`` holds a finished warm start built with this experiment's
-    WARM_START_FIELDS (and for ``seed``, where its metadata records the seed)."""
+    WARM_START_FIELDS and corpus bindings (`check_corpus_bindings`), and for ``seed`` where its metadata records the
+    seed."""
     where = f"UnitScaleConfig.warm_start_from[{seed}] = {directory!r}"
     meta_path = os.path.join(directory, warm_start.WARM_START_META)
     if not os.path.isfile(meta_path):
@@ -98,6 +121,7 @@ def check_given_warm_start(directory: str, xcfg, seed: int) -> None:
                              f"{current[field]!r}")
     if xcfg.warm_start_per_seed and "seed" in meta and meta["seed"] != seed:
         raise ValueError(f"{where}: it is seed {meta['seed']}'s warm start")
+    check_corpus_bindings(meta, xcfg, where)
 
 
 def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
@@ -110,7 +134,10 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
         _progress(workdir, f"warm start seed {seed}: {given} (UnitScaleConfig.warm_start_from)")
         return given
     out = warm_start_dir(workdir, xcfg, seed)
-    if os.path.isfile(os.path.join(out, warm_start.WARM_START_META)):
+    meta_path = os.path.join(out, warm_start.WARM_START_META)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:  # a rerun with other corpus bindings must not reuse this corpus's warm start
+            check_corpus_bindings(json.load(f), xcfg, out)
         _progress(workdir, f"warm start: reusing {out}")
         return out
     offset = seed if xcfg.warm_start_per_seed else 0
@@ -132,7 +159,8 @@ def build_warm_start(workdir: str, xcfg, seed: int = 0) -> str:
     seconds = time.perf_counter() - t0
     tmp = out + ".tmp"
     warm_start.save_warm_start(state, model_cfg, tok, tmp, metadata={
-        "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg), "seed": seed})
+        "corpus": stats, "history": history, "seconds": seconds, "config": dataclasses.asdict(xcfg), "seed": seed,
+        "corpus_bindings": corpus_bindings(xcfg)})
     os.replace(tmp, out)  # the metadata file marks a complete warm start: never reuse a half-written one
     last = history[-1] if history else {}
     _progress(workdir, f"warm start {os.path.basename(out)}: {len(examples)} corpus examples, {xcfg.warm_steps} "
@@ -214,7 +242,8 @@ def probe(run, xcfg) -> dict:
                                       wasted_numbers=sorted(env.wasted_numbers),
                                       corpus_wasted_numbers=b.get("corpus_wasted_numbers", ()))
     p_out = float(b.get("p_out_of_range", 0.0))
-    out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out))
+    out.update(corpus_forecast.skill_probe(run.roles, run.prompts, xcfg.n, p_out_of_range=p_out,
+                                           p_repeat=float(b.get("p_repeat", 0.0))))
     out.update(corpus_forecast.endgame_probe(run.roles, run.prompts, xcfg.n, env.waste_every,
                                              sorted(env.wasted_numbers)))
     return out

@@ -162,6 +162,58 @@ def test_range_skill_examples(source):
     assert abs(rate[0] - rate[1]) < 0.2, rate
 
 
+def test_repeat_critique_by_hand():
+    """judge_repeat: a guess the transcript shows was guessed before is suboptimal whatever the forecast says; the
+    critique names the nearest number not guessed yet in the interval (from the guess, upwards first; from the
+    middle when the guess lies outside); fresh guesses get the old critique; off, the old critique."""
+    state = [{"role": "system", "content": "You have 6 guesses."}, {"role": "user", "content": "1 and 32."},
+             {"role": "assistant", "content": "16"}, {"role": "user", "content": "lower"},
+             {"role": "assistant", "content": "9"}, {"role": "user", "content": "no answer"},
+             {"role": "assistant", "content": "10"}, {"role": "user", "content": "no answer"}]
+    answered = "Outcome: failure; Return: 0\nReply: higher."
+    wasted = "Outcome: failure; Return: 0\nReply: no answer."
+    # 9 and 10 were wasted and stay in 1..15: from 9, 10 is taken, so 8
+    assert F.critique(state, "9", answered, N, judge_repeat=True) == (
+        "Forecast reply: higher. Guess 9 was guessed before: try 8.\nVerdict: suboptimal", False, "8")
+    assert F.critique(state, "10", wasted, N, judge_repeat=True)[1:] == (False, "11")
+    # 16 was answered ("lower"): outside 1..15, so from the middle (8)
+    assert F.critique(state, "16", answered, N, judge_repeat=True)[1:] == (False, "8")
+    # with the range critique on as well, an answered repeat outside the interval gets the range critique
+    assert F.critique(state, "16", answered, N, judge_repeat=True, judge_range=True)[0].endswith(
+        "Guess 16 is outside 1 to 15: try 8.\nVerdict: suboptimal")
+    # a fresh guess: the waste critique as before; the option off: the old critique, repeats judged "optimal"
+    assert F.critique(state, "12", wasted, N, judge_repeat=True) == F.critique(state, "12", wasted, N)
+    assert F.critique(state, "9", answered, N) == (
+        "Forecast reply: higher. Guess 9 gets an answer.\nVerdict: optimal", True, "9")
+    assert F.named_guess("Forecast reply: higher. Guess 9 was guessed before: try 8.") == "9"
+    assert F._fresh_near(5, 4, 6, {4, 5, 6}) == 5 and F._fresh_near(5, 4, 6, {5, 6}) == 4
+
+
+def test_repeat_skill_examples(source):
+    """p_repeat > 0: skill-game alternatives that repeat an earlier guess (answered or wasted) are judged
+    suboptimal with a fresh number as the better guess, the refiner plays it, the corpus game's policy and successor
+    examples are unchanged, and p_repeat = 0 leaves the corpus bit-identical."""
+    base = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source)
+    assert _key(F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source, p_repeat=0.0)) == _key(base)
+    ex = F.forecast_corpus(N, 16, 3, skill_episodes=16, task_source=source, p_repeat=0.5)
+    keep = ("policy", "successor")
+    assert _key([e for e in ex if e.role in keep]) == _key([e for e in base if e.role in keep])
+    pairs = [(e, r) for e, r in zip(ex, ex[1:]) if e.role == "evaluator"]
+    rep = [(e, r) for e, r in pairs if e.meta["repeat"]]
+    assert len(rep) >= 10 and any(e.meta["source"] == "alternative" for e, _ in rep)
+    kinds = set()
+    for e, r in rep:
+        lo, hi, _, guessed = consistent_interval(e.state, N)
+        g = parse_guess(e.action)
+        assert g in guessed and parse_verdict(e.target_text) is False
+        assert f"Guess {g} was guessed before: try {r.target_text}." in e.target_text
+        assert lo <= int(r.target_text) <= hi and int(r.target_text) not in guessed
+        kinds.add(lo <= g <= hi)  # a wasted repeat stays inside the interval, an answered one does not
+    assert kinds == {True, False}
+    assert not any(e.meta.get("repeat") and parse_verdict(e.target_text) is False
+                   and "guessed before" in e.target_text for e in base if e.role == "evaluator")
+
+
 def test_waste_probe_by_hand():
     """A scripted critic that forecasts the corpus rule (evens wasted), probed for the RL rule (multiples of 3) on
     1..12: RL-wasted 3, 6, 9, 12 -> said for 6 and 12: 0.5; corpus-only 2, 4, 8, 10 -> 1.0; neither 1, 5, 7, 11 ->
@@ -365,6 +417,28 @@ def test_skill_probe_reads_the_range_critique():
     blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, p_out_of_range=0.5)
     assert 0.0 < blind["skill/evaluator_range"] < 0.7, blind
     assert "skill/evaluator_range" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
+
+
+def test_skill_probe_reads_the_repeat_critique():
+    """p_repeat > 0: a scripted evaluator that answers as the repeat-judging corpus does scores 1 on the repeated
+    guesses; one blind to repeats (the waste-only critique) is right there only where the forecast says "no answer"."""
+    from nlac_jax.rl.roles import ScriptedRoleSampler
+    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
+    tasks = F._train_tasks(N, None)
+    ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, p_repeat=0.5)
+    ex += F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps)
+    table = {(e.role, json.dumps(e.prompt_messages)): e for e in ex}
+    right = {r: (lambda m, j, r=r: table[(r, json.dumps(m))].target_text) for r in F.SKILL_ROLES}
+    got = F.skill_probe(ScriptedRoleSampler(right), ps, N, p_repeat=0.5)
+    assert got["skill/evaluator_repeat"] == 1.0 and got["skill/evaluator_verdict"] == 1.0
+
+    def waste_only(m, j):
+        e = table[("evaluator", json.dumps(m))]
+        future = m[-1]["content"].split("Forecast: ", 1)[1].rsplit("\nGuess: ", 1)[0]
+        return F.critique(e.state, e.action, future, N)[0]
+    blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, p_repeat=0.5)
+    assert 0.0 < blind["skill/evaluator_repeat"] < 0.8, blind
+    assert "skill/evaluator_repeat" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
 
 
 def test_learnability_examples_follow_the_rule_and_the_batch_share():

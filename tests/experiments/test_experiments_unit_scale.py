@@ -461,6 +461,25 @@ def test_a_given_warm_start_is_checked_and_used_without_building(tmp_path):
         unit_scale.build_warm_start(str(workdir), xcfg, 42)
     with pytest.raises(ValueError, match="maps a seed"):
         UnitScaleConfig(warm_start_from={"42": "x"})
+    # the corpus builder's gin bindings are part of what a warm start was built with (recorded since 2026-12-07)
+    import gin
+    write(dataclasses.asdict(xcfg), seed=42, corpus_bindings={"p_repeat": 0.5})
+    with pytest.raises(ValueError, match=r"its corpus was built with p_repeat = 0\.5; this experiment binds "
+                                         r"p_repeat = '\(unbound\)'"):
+        unit_scale.build_warm_start(str(workdir), xcfg, 42)
+    try:
+        gin.bind_parameter("experiments.forecast_corpus.p_repeat", 0.5)
+        assert unit_scale.corpus_bindings(xcfg) == {"p_repeat": 0.5}
+        assert unit_scale.build_warm_start(str(workdir), xcfg, 42) == str(ws)
+        # the workdir's own warm start is checked the same way before a rerun reuses it
+        own = unit_scale.warm_start_dir(str(workdir), xcfg, 43)
+        os.makedirs(own)
+        with open(os.path.join(own, "warm_start.json"), "w") as f:
+            json.dump({"config": {}, "corpus_bindings": {}}, f)
+        with pytest.raises(ValueError, match=r"warm_start_seed_43: its corpus was built with p_repeat = '\(unbound\)'"):
+            unit_scale.build_warm_start(str(workdir), xcfg, 43)
+    finally:
+        gin.clear_config()
 
 
 def test_skill_rehearsal_adds_the_same_draw_to_any_arm():
