@@ -396,49 +396,29 @@ def test_skill_probe_scores_copying_and_reading():
     assert F.named_guess("Verdict: optimal") is None
 
 
-def test_skill_probe_reads_the_range_critique():
-    """p_out_of_range > 0: a scripted evaluator that answers as the range-judging corpus does scores 1 on the
-    out-of-range prompts; one that ignores the range (the waste-only critique) is right there only where the
-    forecast happens to say "no answer" (a random waste set: about a third)."""
+@pytest.mark.parametrize("name, kw, blind_max", [("evaluator_range", {"p_out_of_range": 0.5}, 0.7),
+                                                   ("evaluator_repeat", {"p_repeat": 0.5}, 0.8)])
+def test_skill_probe_reads_the_range_and_repeat_critiques(name, kw, blind_max):
+    """p_out_of_range > 0 / p_repeat > 0: a scripted evaluator that answers as that corpus does scores 1 on the
+    out-of-range / repeated guesses; one blind to them (the waste-only critique) is right there only where the
+    forecast happens to say "no answer" (a random waste set: about a third for the range prompts)."""
     from nlac_jax.rl.roles import ScriptedRoleSampler
     ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
     tasks = F._train_tasks(N, None)
-    ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, p_out_of_range=0.5)
+    ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, **kw)
     ex += F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps)
     table = {(e.role, json.dumps(e.prompt_messages)): e for e in ex}
     right = {r: (lambda m, j, r=r: table[(r, json.dumps(m))].target_text) for r in F.SKILL_ROLES}
-    got = F.skill_probe(ScriptedRoleSampler(right), ps, N, p_out_of_range=0.5)
-    assert got["skill/evaluator_range"] == 1.0 and got["skill/evaluator_verdict"] == 1.0
+    got = F.skill_probe(ScriptedRoleSampler(right), ps, N, **kw)
+    assert got[f"skill/{name}"] == 1.0 and got["skill/evaluator_verdict"] == 1.0
 
     def waste_only(m, j):
         e = table[("evaluator", json.dumps(m))]
         future = m[-1]["content"].split("Forecast: ", 1)[1].rsplit("\nGuess: ", 1)[0]
         return F.critique(e.state, e.action, future, N)[0]
-    blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, p_out_of_range=0.5)
-    assert 0.0 < blind["skill/evaluator_range"] < 0.7, blind
-    assert "skill/evaluator_range" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
-
-
-def test_skill_probe_reads_the_repeat_critique():
-    """p_repeat > 0: a scripted evaluator that answers as the repeat-judging corpus does scores 1 on the repeated
-    guesses; one blind to repeats (the waste-only critique) is right there only where the forecast says "no answer"."""
-    from nlac_jax.rl.roles import ScriptedRoleSampler
-    ps = PromptSet(task="toy", prompt_set=F.PROMPT_SET)
-    tasks = F._train_tasks(N, None)
-    ex = F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps, p_repeat=0.5)
-    ex += F.build_forecast_examples(tasks, N, 0, 24, 99, prompts=ps)
-    table = {(e.role, json.dumps(e.prompt_messages)): e for e in ex}
-    right = {r: (lambda m, j, r=r: table[(r, json.dumps(m))].target_text) for r in F.SKILL_ROLES}
-    got = F.skill_probe(ScriptedRoleSampler(right), ps, N, p_repeat=0.5)
-    assert got["skill/evaluator_repeat"] == 1.0 and got["skill/evaluator_verdict"] == 1.0
-
-    def waste_only(m, j):
-        e = table[("evaluator", json.dumps(m))]
-        future = m[-1]["content"].split("Forecast: ", 1)[1].rsplit("\nGuess: ", 1)[0]
-        return F.critique(e.state, e.action, future, N)[0]
-    blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, p_repeat=0.5)
-    assert 0.0 < blind["skill/evaluator_repeat"] < 0.8, blind
-    assert "skill/evaluator_repeat" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
+    blind = F.skill_probe(ScriptedRoleSampler({**right, "evaluator": waste_only}), ps, N, **kw)
+    assert 0.0 < blind[f"skill/{name}"] < blind_max, blind
+    assert f"skill/{name}" not in F.skill_probe(ScriptedRoleSampler(right), ps, N)
 
 
 def test_learnability_examples_follow_the_rule_and_the_batch_share():
