@@ -604,7 +604,8 @@ def rule_numbers(rule: str, n: int) -> tuple[int, ...]:
 
 
 SKILL_ROLES = ("backup", "evaluator", "refiner")  # the roles whose corpus skills are copying and reading
-_NAMED_GUESS = re.compile(r"\bGuess (.+?) (?:is wasted|gets an answer|is not a number|is outside|is the only|was guessed before)")
+_NAMED_GUESS = re.compile(r"\bGuess (.+?) "
+                          r"(?:is wasted|gets an answer|is not a number|is outside|is the only|was guessed before)")
 
 
 def named_guess(critique_text: str) -> Optional[str]:

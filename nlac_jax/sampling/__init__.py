@@ -79,10 +79,10 @@ Design
   slots, not in the 512 its 2,048-token bucket leaves (the cache keeps its T + N slots, so the decode executables
   do not change; the last T - P - R are never written). R depends on the call's data alone, so a resumed process
   picks what the uninterrupted one did; each new R compiles one prefill (with trunks, their grid fixes the widths
-  instead). Greedy outputs equal the unshared path's; sampled rows keep following their prompt's index. P is rounded down to 8 lengths per power of two and reuses a length already
-  compiled at the same buckets when one is within 3/4 of the common prefix: few, sticky shapes (the loop's
-  no-recompilation test holds). The decode executables are the unshared path's (same cache length). Not for
-  sliding-window configs (their window is measured in slots). `GenerateOutput.shared_prefix` / `prefill_tokens` /
+  instead). Greedy outputs equal the unshared path's; sampled rows keep following their prompt's index. P is
+  rounded down to 8 lengths per power of two and reuses a length already compiled at the same buckets when one is
+  within 3/4 of the common prefix: few, sticky shapes (the loop's no-recompilation test holds). The decode
+  executables are the unshared path's (same cache length). Not for sliding-window configs (their window is measured in slots). `GenerateOutput.shared_prefix` / `prefill_tokens` /
   `prefill_slots` say what a call shared, which prompt tokens it computed, and how many slots its prefills ran
   (padding included).
 * Across calls (`Sampler(prefix_store=4)`, the default): the last 4 common prefixes (and, with trunks, trunk

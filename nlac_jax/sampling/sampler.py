@@ -366,7 +366,8 @@ class Sampler:
         (rests: each prompt's tokens still to prefill, their slot width, the start cache or None, src [U] int32 or
         None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
         int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix (none when
-        `prefix_store` held it) and the trunks, fresh). fresh: None, or at the first call with trunks at these
+        `prefix_store` held it) and the trunks, the slots those prefills ran (D rows of the prefix, the trunk rows
+        at their width), fresh). fresh: None, or at the first call with trunks at these
         buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
         cache of placeholder rows, the common prefix's cache or None) for `_compile_rests`."""
         shared = self._pick_shared(common, Tb, Nb)
