@@ -24,9 +24,11 @@ from nlac_jax.training.scoring import Scorer
 @dataclasses.dataclass
 class RoleCounters:
     """Per-role generation counters (texts, generated tokens, token slots the sampler ran, seconds, stop reasons,
-    prompt tokens presented and prefilled), reset per phase. useful_token_fraction = tokens / slots: the share of
-    decode slots that produced a kept token. prefill_share = prompt tokens prefilled / presented (one presentation
-    per sampled row): what shared prefixes and trunks saved (`sampling.Sampler`)."""
+    prompt tokens presented and prefilled, prefill slots run), reset per phase. useful_token_fraction = tokens /
+    slots: the share of decode slots that produced a kept token. prefill_share = prompt tokens prefilled / presented
+    (one presentation per sampled row): what shared prefixes and trunks saved (`sampling.Sampler`).
+    padded_prefill_share = prefill slots run (padding included, `GenerateOutput.prefill_slots`) / presented: the
+    prefill work itself, which real-token counts alone hide (a 64-token rest prefilled in 512 slots)."""
 
     texts: dict = dataclasses.field(default_factory=dict)
     tokens: dict = dataclasses.field(default_factory=dict)
@@ -35,11 +37,13 @@ class RoleCounters:
     stop_reasons: dict = dataclasses.field(default_factory=dict)
     presented: dict = dataclasses.field(default_factory=dict)
     prefilled: dict = dataclasses.field(default_factory=dict)
+    prefill_slots: dict = dataclasses.field(default_factory=dict)
 
     def add(self, role: str, n_texts: int, n_tokens: int, seconds: float, reasons, n_slots: int = 0,
-            presented: int = 0, prefilled: int = 0) -> None:
+            presented: int = 0, prefilled: int = 0, prefill_slots: int = 0) -> None:
         self.presented[role] = self.presented.get(role, 0) + presented
         self.prefilled[role] = self.prefilled.get(role, 0) + prefilled
+        self.prefill_slots[role] = self.prefill_slots.get(role, 0) + prefill_slots
         self.texts[role] = self.texts.get(role, 0) + n_texts
         self.tokens[role] = self.tokens.get(role, 0) + n_tokens
         self.slots[role] = self.slots.get(role, 0) + n_slots
@@ -59,10 +63,12 @@ class RoleCounters:
             if n:
                 out[f"{prefix}{role}/prompt_tokens"] = n
                 out[f"{prefix}{role}/prefill_share"] = self.prefilled[role] / n
+                out[f"{prefix}{role}/padded_prefill_share"] = self.prefill_slots[role] / n
         if self.tokens:
             out[f"{prefix}useful_token_fraction"] = sum(self.tokens.values()) / max(sum(self.slots.values()), 1)
         if sum(self.presented.values()):
             out[f"{prefix}prefill_share"] = sum(self.prefilled.values()) / sum(self.presented.values())
+            out[f"{prefix}padded_prefill_share"] = sum(self.prefill_slots.values()) / sum(self.presented.values())
         for k, n in self.stop_reasons.items():
             out[f"{prefix}{k}"] = n
         return out
@@ -141,8 +147,8 @@ class ModelRoleSampler:
                                     slots=self.max_batch, n=n)  # each prompt prefilled once for its n samples
         prefilled = getattr(res, "prefill_tokens", None)  # (a stand-in sampler may not count them)
         self.counters.add(role, len(prompts) * n, int(np.sum(res.lengths)), time.perf_counter() - t0, res.stop_reason,
-                          n_slots=res.token_slots, presented=n * sum(map(len, prompts)) if prefilled else 0,
-                          prefilled=int(prefilled or 0))
+                          n_slots=res.token_slots, presented=n * sum(map(len, prompts)) if prefilled is not None else 0,
+                          prefilled=int(prefilled or 0), prefill_slots=int(getattr(res, "prefill_slots", 0) or 0))
         return [Completion(t, str(r)) for t, r in zip(res.texts, res.stop_reason, strict=True)]
 
     def score(self, messages_batch: list[list[dict]], continuations: Sequence[str], params: ParamsName,

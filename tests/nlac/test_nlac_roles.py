@@ -102,6 +102,35 @@ def test_model_role_sampler_passes_the_stop_reason_through():
     assert fake.calls[-1][2]["temperature"] == 0.5 and fake.calls[-1][2]["top_p"] == 1.0
 
 
+def test_model_role_sampler_counts_prompt_tokens_prefilled_and_prefill_slots():
+    tok = tiny.make_tiny_tokenizer()
+    fake = FakeSampler([("a", "stop_token")] * 7)
+    per_call = iter([(7, 64), (3, 32), None])  # (prefill_tokens, prefill_slots) the sampler reports per call
+
+    def generate(weights, prompts, n=1, **kw):
+        out = FakeSampler.generate(fake, weights, prompts, n=n, **kw)
+        counts = next(per_call)
+        if counts is not None:  # else a stand-in sampler that counts nothing
+            out.prefill_tokens, out.prefill_slots = counts
+        return out
+
+    fake.generate = generate
+    roles = ModelRoleSampler(fake, tok, get_params=lambda which: which, settings=RoleSampling(), max_batch=4)
+    roles.sample([CHAT, CHAT], "policy", "successor", n=2)
+    roles.sample([CHAT, CHAT], "policy", "evaluator")
+    roles.sample([CHAT], "policy", "refiner")
+    one = len(text.encode_chat(tok, CHAT, add_generation_prompt=True))
+    d = roles.counters.as_dict()
+    # presented: one presentation per sampled row (2 prompts x 2 samples, then 2 x 1)
+    assert d["gen/successor/prompt_tokens"] == 4 * one and d["gen/evaluator/prompt_tokens"] == 2 * one
+    assert d["gen/successor/prefill_share"] == 7 / (4 * one) and d["gen/evaluator/prefill_share"] == 3 / (2 * one)
+    assert d["gen/successor/padded_prefill_share"] == 64 / (4 * one)
+    assert d["gen/evaluator/padded_prefill_share"] == 32 / (2 * one)
+    # a sampler that counts nothing presents nothing to the shares (its texts are still counted)
+    assert "gen/refiner/prompt_tokens" not in d and d["gen/refiner/texts"] == 1
+    assert d["gen/prefill_share"] == 10 / (6 * one) and d["gen/padded_prefill_share"] == 96 / (6 * one)
+
+
 # ------------------------------------------------------------------------------------------ rollout call sites
 
 
