@@ -38,6 +38,7 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -67,9 +68,10 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
     groups, min_trunk = min_shared_prefix, the rests' width from the call's prompt bucket) once, or with
     prefix_store > 0 none when the trunks of one of the last prefix_store calls that computed trunks (same
     parameter set and common prefix) leave less to prefill (`plan_from_trunks`, as `Sampler._starts` chooses), and
-    each distinct prompt's remaining rest once (n samples of a prompt: once)."""
+    each distinct prompt's remaining rest once (n samples of a prompt: once); a call that prefilled no trunks of its
+    own keeps its prompts as a trunk set (`Sampler._keep_prompts`: a rollout's next turn starts from them)."""
     from nlac_jax import text
-    from nlac_jax.sampling import plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length
+    from nlac_jax.sampling import plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length, trunk_grid
     out, stored, trunk_sets = 0, [], []
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
@@ -102,6 +104,15 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
                 trunk_sets.insert(0, reused)
             elif plan is not None and prefix_store:
                 trunk_sets = [key + (plan.trunks, plan.width)] + trunk_sets[:prefix_store - 1]
+            grid = trunk_grid(max(1, min_shared_prefix), width)
+            if prefix_store and (plan is None or reused is not None) and grid and len(prompts) >= 2:
+                # a call without trunks of its own keeps its prompts (`Sampler._keep_prompts`): the longest
+                # trunk_rows rests a grid width holds, at the smallest grid width that holds them
+                fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))
+                if fits:
+                    chosen = sorted(fits[:trunk_rows])
+                    w = next(g for g in grid if g >= len(rests[fits[0]]))
+                    trunk_sets = [key + (tuple(tuple(rests[i]) for i in chosen), w)] + trunk_sets[:prefix_store - 1]
         out += L_computed + cost
     return out
 
@@ -113,7 +124,8 @@ def domain_text(task_source, env) -> list[str]:
 
 
 def play(n_tasks: int):
-    """Gold-script episodes of the first n_tasks retail train tasks -> (transitions, domain texts)."""
+    """Gold-script episodes of the first n_tasks retail train tasks -> (transitions, domain texts, the histories
+    of each policy call)."""
     from nlac_jax import envs
     from nlac_jax.envs.tau_bench import gold_actions_script
     from nlac_jax.rl import rollout
@@ -125,9 +137,23 @@ def play(n_tasks: int):
     def policy(h):
         script = scripts[h[1]["content"]]
         return script[min(sum(m["role"] == "assistant" for m in h), len(script) - 1)]
-    _, transitions = rollout.collect(envs.EnvFactory("tau_retail").make(len(tasks)), tasks,
-                                     lambda hs: [policy(h) for h in hs], task_name="tau_retail")
-    return transitions, domain_text(source, env)
+    turns = []  # the histories of each policy call: the rollout's sampler calls, one per turn
+
+    def policy_fn(hs):
+        turns.append(copy.deepcopy(list(hs)))
+        return [policy(h) for h in hs]
+    _, transitions = rollout.collect(envs.EnvFactory("tau_retail").make(len(tasks)), tasks, policy_fn,
+                                     task_name="tau_retail")
+    return transitions, domain_text(source, env), turns
+
+
+def rollout_calls(turns) -> list:
+    """The rollout's policy calls (one per turn, one prompt per episode still running), as `SamplerCall`s."""
+    from nlac_jax.nlac.prompts import PromptSet
+    from nlac_jax.rl.roles import SamplerCall
+    ps = PromptSet(task="tau_retail")
+    return [SamplerCall(role="policy", params="policy", messages_batch=[ps.policy(h) for h in hs], n=1, outputs=[],
+                        settings=None, served="policy") for hs in turns]
 
 
 def scripted_texts() -> dict:
@@ -404,6 +430,9 @@ def main(argv=None) -> int:
     p.add_argument("--time_targets", action="store_true",
                    help="also time the targets phase's sampler calls without sharing, with each call's shared "
                         "prefix and with trunks (random model of --hidden x --layers; minutes: try --tasks 1)")
+    p.add_argument("--time_rollout", action="store_true",
+                   help="also replay the rollout's policy calls through the sampler in each of --modes (counts and "
+                        "seconds; random model of --hidden x --layers)")
     p.add_argument("--slots", type=int, default=16, help="sampler rows per call (LoopConfig.sampler_max_batch)")
     p.add_argument("--modes", default=",".join(SHARING),
                    help=f"the sharing modes --time_targets times, the first is the reference ({', '.join(SHARING)})")
@@ -414,8 +443,9 @@ def main(argv=None) -> int:
     if unknown or not a.modes:
         p.error(f"--modes: {', '.join(unknown) or '(none)'} not among {', '.join(SHARING)}")
 
+    from nlac_jax import text
     from nlac_jax.testing import tiny
-    transitions, domain = play(a.tasks)
+    transitions, domain, turns = play(a.tasks)
     tok = tiny.make_tiny_tokenizer(vocab_size=a.vocab, extra_corpus=tuple(domain))
     chars = sum(map(len, domain))
     toks = sum(len(tok.encode(d)) for d in domain)
@@ -447,7 +477,28 @@ def main(argv=None) -> int:
     print(f"  a perfect prefix cache over the whole phase would compute {phase['trie']:,} "
           f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
-    res = {"args": vars(a), "workload": w, "targets_phase": phase, "train": {}}
+    rcalls = rollout_calls(turns)
+    rolled = [text_ids for c in rcalls for text_ids in c.messages_batch]
+    presented = sum(len(text.encode_chat(tok, m, add_generation_prompt=True)) for m in rolled)
+    roll = dict(calls=len(rcalls), prompts=len(rolled), presented=presented,
+                store=sampler_prefill_tokens(rcalls, tok, prefix_store=4),
+                trunks_store=sampler_prefill_tokens(rcalls, tok, trunk_rows=8, prefix_store=4))
+    print(f"\nrollout (the policy's calls while the episodes were played: {roll['calls']} turns, {roll['prompts']} "
+          f"prompts, {presented:,} prompt tokens presented)")
+    for name, key in (("each call's common prefix, kept across calls (the default)", "store"),
+                      ("and each turn's prompts kept for the next turn (trunk_rows=8, Sampler._keep_prompts)",
+                       "trunks_store")):
+        print(f"  {name}: the sampler prefills {roll[key]:,} ({roll[key] / presented:.1%})")
+    print(f"  a perfect prefix cache over the rollout would compute {trie_tokens([text.encode_chat(tok, m, add_generation_prompt=True) for m in rolled]):,}")
+    res = {"args": vars(a), "workload": w, "targets_phase": phase, "rollout": roll, "train": {}}
+    if a.time_rollout:
+        import jax
+        print(f"\nrollout, replayed through the sampler ({jax.devices()[0].platform}; random model hidden {a.hidden} x "
+              f"{a.layers} layers, bf16 compute, greedy, each row the policy's scripted output length):", flush=True)
+        t = time_targets_phase(rcalls, tok, a)
+        for name in a.modes[1:]:
+            print(f"  {name}: generated tokens identical to {a.modes[0]}: {t[name]['same_tokens']}")
+        res["rollout_replayed"] = t
     if a.time_targets:
         import jax
         print(f"\ntargets phase, timed ({jax.devices()[0].platform}, {os.cpu_count()} cores, flags "

@@ -173,8 +173,9 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     the common prefix prefilled once on D data-parallel rows (`Sampler.prefix`, at the longest prefix the bucket can
     share: the most activations) and fitted to the call's cache (`Sampler.fit`), the prefill of every prompt's rest
     from that prefix cache (at the shortest shared prefix, `min_shared_prefix`: the widest rests); with
-    `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid) and the prefill from the
-    trunks' cache (at the narrowest trunk: the widest rests). The start caches are arguments of the executables
+    `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid), the prefill from the
+    trunks' cache (at the narrowest trunk: the widest rests) and the G prompt rows a call without trunks of its own
+    keeps from its prefilled cache (`Sampler.pack`, `_keep_prompts`). The start caches are arguments of the executables
     that read them, so their bytes are in the table; what is not planned: continuous batching's refill (the loop
     does not use it). [] when the sampler shares nothing here (no minimum, a sliding-window config, or a bucket too
     short for any prefix)."""
@@ -199,10 +200,11 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     def prefill(name, start, start_rows, width):
         start = dict(cache=start, src=rows(batch), keep=rows(batch))
         args = (params, *rows(batch, width), live, key, ctl, None, start)
-        ex, _ = compile_one(f"{label} {name}", f"B={batch} rest={width} start rows={start_rows} cache={cache_len}",
-                            lambda: sampler.prefill.lower(*args, new_bucket=new))
+        ex, compiled = compile_one(f"{label} {name}",
+                                   f"B={batch} rest={width} start rows={start_rows} cache={cache_len}",
+                                   lambda: sampler.prefill.lower(*args, new_bucket=new))
         ex.args = args
-        return ex
+        return ex, compiled
 
     longest = sampling.prefix_to_share(prompt - 1, (), shortest)
     out = []
@@ -218,7 +220,7 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
                                 lambda: sampler.fit.lower(*args, cache_len=cache_len))
         ex.args = args
         out.append(ex)
-        out.append(prefill("prefill from prefix", abstract(pre_c), D, prompt - shortest))
+        out.append(prefill("prefill from prefix", abstract(pre_c), D, prompt - shortest)[0])
         grid = sampling.trunk_grid(sampler.min_trunk, prompt - shortest) if sampler.trunk_rows else []
         if grid:
             G = -(-sampler.trunk_rows // D) * D
@@ -228,7 +230,14 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
                                       lambda: sampler.trunk.lower(*args, cache_len=cache_len))
             ex.args = args
             out.append(ex)
-            out.append(prefill("prefill from trunks", abstract(trunk_c), G, prompt - shortest - grid[0]))
+            ex, from_trunks_c = prefill("prefill from trunks", abstract(trunk_c), G, prompt - shortest - grid[0])
+            out.append(ex)
+            # a call without trunks of its own keeps G of its prompts' rows for the next call (Sampler._keep_prompts)
+            args = (abstract(from_trunks_c).cache, rows(G), jax.ShapeDtypeStruct((), jnp.int32))
+            ex, _ = compile_one(f"{label} keep prompts", f"B={batch} kept={G} cache={cache_len}",
+                                lambda: sampler.pack.lower(*args))
+            ex.args = args
+            out.append(ex)
     return out
 
 

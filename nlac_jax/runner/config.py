@@ -66,7 +66,10 @@ class LoopConfig:
       of the data-parallel degree): groups of a call's prompts that share at least sampler_shared_prefix more
       tokens, in an RL targets phase one episode's states (`sampling.Sampler(trunk_rows=)`, `plan_trunks`); for
       long multi-turn prompts (τ-bench: benchmarks/bench_targets.py); 0: off (the default: its first call at each
-      bucket compiles a trunk and a prefill executable per width of its grid, which a toy run does not repay).
+      bucket compiles a trunk and a prefill executable per width of its grid, which a toy run does not repay). With
+      the store below, a call that forms no trunks (a rollout turn: one prompt per episode) keeps up to this many
+      of its prompts for the next call, so each turn prefills only what it adds to an episode's transcript (set
+      it to at least the episodes a rollout call holds).
       sampler_prefix_store: shared prefixes kept across sampler calls (`sampling.Sampler(prefix_store=)`): a call
       whose shared prefix an earlier call computed under the same parameters (each role's call in a targets phase
       starts with the environment's system prompt, and a rollout's every turn) reuses it; emptied before each train

@@ -93,6 +93,16 @@ Design
   (`requests.plan_from_trunks`). Kept caches are fitted to each call's cache length (`decode.fit_impl`, a copy),
   whether kept or just computed, so hits never change what is compiled. `release()` empties the store (the loop
   does, before each train step).
+* A rollout's turns (`Sampler._keep_prompts`, with trunks and the store): a one-batch call that prefilled no trunks
+  of its own (one prompt per episode: nothing beyond the common prefix is shared, so no trunk forms) keeps up to
+  `trunk_rows` of its prompts (the longest) as a trunk set: their prefilled cache rows, each row's real slots
+  moved to the left (`decode.pack_impl`: keys are stored after RoPE and attention reads the mask only, so this
+  changes nothing they compute), cut to the common prefix plus the smallest grid width that holds them. The next
+  turn's prompts extend these (the action, the new observation), so the next call starts each from its episode's
+  row and prefills only what the turn added; it then keeps its own prompts in turn. τ2 retail's gold-script
+  rollout (`benchmarks/bench_targets.py`): 40.1% of the prompt tokens presented prefilled with the common prefix
+  kept across calls, 16.5% with the turns kept (a perfect prefix cache: 9.9%; calls where a single episode still
+  runs share nothing). `pack` compiles once per prefilled-cache shape, the first time it is seen.
 * Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
   groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and

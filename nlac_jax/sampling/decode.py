@@ -269,6 +269,26 @@ def take_cache_rows(cache: dict, rows: Array) -> dict:
     return decoder.constrain_cache(out)
 
 
+def pack_impl(cache: dict, rows: Array, index: Array) -> dict:
+    """The prompt rows `rows` [G] (int32) of a prefilled cache (`prefill_impl`'s, before decoding), each with its
+    valid slots moved to the left in their order (the common prefix first, then the kept trunk's and the rest's
+    real tokens, left-padding gone), padding after them; `index` (int32 scalar) becomes the cache's index. A trunk
+    set (`trunk_impl`'s layout up to where the padding sits) that the sampler keeps for a later call whose prompts
+    extend these (a rollout's next turn: the same transcripts, then the action and the new observation). Keys are
+    stored after RoPE and attention reads the mask only, so moving a row's slots changes nothing it computes (full
+    attention; sliding-window configs never share)."""
+    TRACE_COUNTS["pack"] += 1
+    c = take_cache_rows(cache, rows)
+    order = jnp.argsort(1 - c["mask"], axis=-1, stable=True)  # [G, S]: valid slots first, in order
+
+    def move(a):  # [G, K, S, D] by slot
+        return jnp.take_along_axis(a, order[:, None, :, None], axis=2)
+    layered = isinstance(c["k"], (tuple, list))
+    out = {k: tuple(move(a) for a in c[k]) if layered else jax.vmap(move)(c[k]) for k in ("k", "v")}
+    out.update(mask=jnp.take_along_axis(c["mask"], order, axis=-1), index=jnp.asarray(index, jnp.int32))
+    return decoder.constrain_cache(out)
+
+
 def compact_impl(st: DecodeState, keep: Array) -> DecodeState:
     """The rows `keep` [B2] (int32 slot indices, B2 < B) of the decode state, in that order, cache rows included.
     Used once no prompt waits and at most B2 rows still run: the drain then decodes B2 rows instead of B."""

@@ -24,7 +24,7 @@ from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inf
 from nlac_jax.parallel import sharding, xla_options
 from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state, fit_impl,
-                                      prefill_impl, prefix_impl, refill_impl, trunk_impl)
+                                      pack_impl, prefill_impl, prefix_impl, refill_impl, trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
                                         plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length,
                                         stop_table, trunk_grid)
@@ -81,6 +81,9 @@ class Sampler:
         # With trunk_rows, as many trunk sets are kept too: a call whose prompts share more with an earlier call's
         # trunks (same tree, same common prefix; in a targets phase, the same episodes' transcripts read by another
         # role) than its own trunks would save starts from them (`requests.plan_from_trunks`) and prefills none.
+        # A one-batch call that prefilled no trunks of its own keeps its prompts as a trunk set (`_keep_prompts`: up
+        # to trunk_rows of them, the longest), so a rollout's next turn, whose prompts extend this turn's, prefills
+        # only the action and the new observation.
         self.prefix_store = max(0, int(prefix_store))
         self._stored: list = []  # [(leaf ids, parameter tree, prefix tokens, cache)], newest first
         self._trunk_sets: list = []  # [(leaf ids, tree, prefix tokens, trunk tokens, width, cache)], newest first
@@ -150,6 +153,12 @@ class Sampler:
             return compact_impl(st, keep)
 
         self.compact = jax.jit(sampler_compact)
+
+        def sampler_pack(cache, rows, index):
+            return pack_impl(cache, rows, index)
+
+        self.pack = jax.jit(sampler_pack)
+        self._pack_shapes: set = set()  # prefilled-cache shapes whose `pack` is compiled
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
@@ -367,9 +376,10 @@ class Sampler:
         None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
         int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix (none when
         `prefix_store` held it) and the trunks, the slots those prefills ran (D rows of the prefix, the trunk rows
-        at their width), fresh). fresh: None, or at the first call with trunks at these
+        at their width), fresh, own). fresh: None, or at the first call with trunks at these
         buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
-        cache of placeholder rows, the common prefix's cache or None) for `_compile_rests`."""
+        cache of placeholder rows, the common prefix's cache or None) for `_compile_rests`. own: whether the call
+        prefilled trunks of its own (`_keep_prompts` keeps the prompts of a call that did not)."""
         shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
         cache, computed = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
@@ -377,7 +387,7 @@ class Sampler:
         keep = np.full((len(prompts),), shared, np.int32)
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
         if not G or len(prompts) < 2:  # (one prompt: nothing to share, and no grid compiled for it)
-            return rests, width, cache, None, keep, shared, computed, computed * D, None
+            return rests, width, cache, None, keep, shared, computed, computed * D, None, False
         start = None
         if cache is not None:
             src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
@@ -399,9 +409,9 @@ class Sampler:
         if kept is not None:  # an earlier call's trunks leave less to prefill: start from them
             old, trunks = kept
             return (old.rests(rests), width - old.width, self.fit(trunks, cache_len=cache_len), old.group,
-                    keep + old.keep, shared, computed, computed * D, fresh)
+                    keep + old.keep, shared, computed, computed * D, fresh, False)
         if plan is None:
-            return rests, width, cache, None, keep, shared, computed, computed * D, fresh
+            return rests, width, cache, None, keep, shared, computed, computed * D, fresh, False
         ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
         cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
         if self.prefix_store:  # kept at the slots it fills (common prefix + trunk width) and fitted back
@@ -410,7 +420,7 @@ class Sampler:
                                  cut)] + self._trunk_sets[:self.prefix_store - 1]
             cache = self.fit(cut, cache_len=cache_len)
         return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
-                computed + sum(map(len, plan.trunks)), computed * D + G * plan.width, fresh)
+                computed + sum(map(len, plan.trunks)), computed * D + G * plan.width, fresh, True)
 
     def rest_width(self, rests: Sequence[list], width: int, start) -> int:
         """The slot width each prompt's rest is prefilled in, after a start cache (`_starts`): `width` (the prompt
@@ -447,6 +457,41 @@ class Sampler:
         i, old, cut = best
         self._trunk_sets.insert(0, self._trunk_sets.pop(i))
         return old, cut
+
+    def _keep_prompts(self, params, cache, prompts, n: int, shared: int, buckets, own: bool) -> None:
+        """Keep a one-batch call's prompts as a trunk set (`_trunk_sets`), from its prefilled `cache` (rows i*n hold
+        prompt i), when the call prefilled no trunks of its own (`own`): a rollout turn, whose episodes share
+        nothing beyond the common prefix, so no trunks form, while the next turn's prompts extend these. Up to
+        `trunk_rows` prompts (the longest rests that a grid width holds), each row's valid slots packed to the left
+        (`pack_impl`) and cut to the common prefix plus the smallest grid width w that holds them; the next call
+        finds it as it finds kept trunks (`_kept_trunks`: same tree and common prefix, w in its grid, and the least
+        to prefill). With trunks and the store on only. The pack executable of each prefilled-cache shape is
+        compiled the first time the shape is seen, so which calls keep their prompts never compiles later."""
+        G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // self.data_parallel) * self.data_parallel
+        grid = self._trunk_widths.get(buckets + (shared,), ())
+        if not (G and self.prefix_store and grid and len(prompts) >= 2):
+            return
+        key = tuple(cache["mask"].shape)  # (rows, slots): with the config, every shape of the cache
+        if key not in self._pack_shapes:  # lowered and compiled only: the later calls' jit finds the executable
+            self._pack_shapes.add(key)
+            self.pack.lower(cache, self.device_rows(np.zeros((G,), np.int32))[0],
+                            self.replicated(jnp.int32(0))).compile()
+        if own:
+            return
+        rests = [p[shared:] for p in prompts]
+        fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))[:G]
+        if not fits:
+            return
+        longest = len(rests[fits[0]])
+        w = next(g for g in grid if g >= longest)
+        chosen = sorted(fits)
+        rows = np.full((G,), chosen[0] * n, np.int32)
+        rows[:len(chosen)] = np.asarray(chosen, np.int32) * n
+        (rows,) = self.device_rows(rows)
+        packed = self.pack(cache, rows, self.replicated(jnp.int32(shared + w)))
+        cut = self.fit(packed, cache_len=shared + w)
+        self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]), tuple(tuple(rests[i]) for i in chosen),
+                             w, cut)] + self._trunk_sets[:self.prefix_store - 1]
 
     def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
         """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
@@ -485,8 +530,9 @@ class Sampler:
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
         full = Tb
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, slots, fresh = self._starts(params, prompts, Tb, Nb,
-                                                                                        common)
+        whole = prompts
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, slots, fresh, own = self._starts(params, prompts, Tb,
+                                                                                             Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
@@ -506,6 +552,7 @@ class Sampler:
             self._compile_rests(fresh, full - shared, Ub, lambda i, m, pre: (
                 (params, i, m, live, key, ctl, src, pre), dict(new_bucket=Nb)))
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
+        self._keep_prompts(params, st.cache, whole, n, shared, (full, Nb), own)  # before decode donates the state
         holds = [b if b < P else -1 for b in range(Bb)]
         out = run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb, rows=P)
         return out[:-1] + (shared, prefilled, slots + Ub * Tb)
@@ -518,8 +565,8 @@ class Sampler:
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len = Tb + Nb
         # (continuous batching compiles its refill's rest widths as they come: the loop does not use it)
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _ = self._starts(params, prompts, Tb, Nb,
-                                                                                           common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, _ = self._starts(params, prompts, Tb, Nb,
+                                                                                              common)
         Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         dp = self.data_parallel

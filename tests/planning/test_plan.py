@@ -149,7 +149,7 @@ def test_plan_sizes_the_shared_prefix_and_trunk_executables(capsys):
     exactly when the run's gin turns them on, and a trunk cache too large for the chip is refused in one line,
     although every executable of the unshared path fits."""
     base = ["--gin_file=gin/runs/tiny_random_cpu.gin", "--topology=v5p-16", "--cpu-devices=8"] + SMALL
-    names = ("prefix |", "prefill from prefix |", "trunk |", "prefill from trunks |")
+    names = ("prefix |", "prefill from prefix |", "trunk |", "prefill from trunks |", "keep prompts |")
     code, out, err = _run_cli(base + SHARED + ["--gin_param=LoopConfig.sampler_trunk_rows = 8"], capsys)
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("| sampler ")]
@@ -182,8 +182,8 @@ def test_compile_shared_counts_the_prefix_cache_by_hand():
     sampler = sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=16, trunk_rows=8, min_trunk=16)
     exes = planner.compile_shared("s", sampler, cfg, mesh, params, 8, 64, 16)
     assert [e.name for e in exes] == ["s prefix", "s prefix fit", "s prefill from prefix", "s trunk",
-                                      "s prefill from trunks"]
-    own, prefix, from_prefix, trunk, from_trunks = exes
+                                      "s prefill from trunks", "s keep prompts"]
+    own, prefix, from_prefix, trunk, from_trunks, keep = exes
 
     def cache_bytes(slots):  # a chip's row of the D = 8: k, v (f32) and the mask
         return 2 * cfg.num_layers * cfg.num_kv_heads * slots * cfg.head_dim * 4 + slots * 4
@@ -192,6 +192,8 @@ def test_compile_shared_counts_the_prefix_cache_by_hand():
     assert cache_bytes(80) <= prefix.outputs <= cache_bytes(80) + 64 and prefix.arguments >= cache_bytes(60)
     assert trunk.outputs == prefix.outputs  # the trunks' cache: 8 rows too (trunk_rows is a multiple of D = 8)
     assert from_prefix.arguments >= prefix.outputs and from_trunks.arguments >= trunk.outputs
+    # the kept prompts: G = 8 rows of the call's cache (a row per chip), read from the prefilled state's cache
+    assert keep.outputs == trunk.outputs and keep.arguments >= cache_bytes(80)
     assert "prefix=60" in own.shape and "rest=48" in from_prefix.shape  # longest prefix (63 floored to 60); widest rest
     assert planner.compile_shared("s", sampling.Sampler(cfg, mesh=mesh, min_shared_prefix=0), cfg, mesh, params,
                                   8, 64, 16) == []

@@ -411,3 +411,59 @@ def test_trunks_on_eight_devices_equal_one(qwen):
         before = compilations.snapshot()
         s.generate(params, ps2, max_new_tokens=12, stop_token_ids=())
         assert not compilations.since(before), compilations.since(before)
+    # a rollout's next turn from the last turn's kept prompts (`_keep_prompts`: their rows packed across the data
+    # shards): the same tokens as one device without sharing, and only what the turn adds prefilled
+    head = _prompts(seed=4)[0][:PREFIX]
+    rng = np.random.RandomState(5)
+    episodes = [[3 + ep] + rng.randint(3, VOCAB - 3, 60).tolist() for ep in range(4)]
+    one = sampling.Sampler(m.config, min_shared_prefix=0)
+    s = sampling.Sampler(m.config, mesh=mesh, trunk_rows=4, min_trunk=16)
+    for cs, want in (((20, 25, 30, 35), PREFIX + 110), ((31, 38, 40, 52), 11 + 13 + 10 + 17)):
+        ps3 = [head + ep[:c] for ep, c in zip(episodes, cs)]
+        out = s.generate(params, ps3, max_new_tokens=12, stop_token_ids=())
+        assert out.prefill_tokens == want
+        np.testing.assert_array_equal(out.tokens, one.generate(m.params, ps3, max_new_tokens=12,
+                                                               stop_token_ids=()).tokens)
+
+
+@pytest.mark.slow
+def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
+    """A rollout: each call holds one prompt per episode (nothing shared beyond the common prefix, so no trunks
+    form), and each turn's prompts extend the last turn's. The sampler keeps a call's prompts as a trunk set
+    (`_keep_prompts`), so each turn prefills only what its prompts add, by hand; greedy tokens equal the unshared
+    path's and transformers', sampled rows (n per prompt) the unshared path's; the later turns compile nothing."""
+    hm, m = qwen
+    rng = np.random.RandomState(21)
+    head = rng.randint(3, VOCAB - 3, PREFIX).tolist()
+    episodes = [[3 + ep] + rng.randint(3, VOCAB - 3, 80).tolist() for ep in range(3)]  # first tokens differ
+    cuts = ((20, 30, 40), (33, 41, 55), (47, 60, 70))  # each episode's transcript at turns 1, 2, 3
+    turns = [[head + ep[:c] for ep, c in zip(episodes, cs)] for cs in cuts]
+    rollout = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16)
+    flat = sampling.Sampler(m.config)  # the common prefix only (kept across calls too)
+    plain = sampling.Sampler(m.config, min_shared_prefix=0)
+    kw = dict(max_new_tokens=12, stop_token_ids=())
+    compilations.install()
+    got = []
+    for t, ps in enumerate(turns):
+        before = compilations.snapshot()
+        a = rollout.generate(m.params, ps, **kw)
+        if t:  # the later turns compile nothing: their executables are turn 1's
+            assert not compilations.since(before), compilations.since(before)
+        f, b = flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
+        got.append(a.prefill_tokens)
+        assert f.prefill_tokens == (0 if t else PREFIX) + sum(cuts[t])  # every turn's whole transcripts
+        _assert_same(a, b)
+        np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 12))
+    # by hand: turn 1 prefills the head and the three transcripts (20 + 30 + 40). Its prompts are kept (4 trunk
+    # rows: all three), each cut to the head plus 48 slots (the grid width that holds 40). Turn 2 (rests 33 / 41 /
+    # 55, the same 192-token prompt bucket) keeps 20 / 30 / 40 of them and prefills 13 + 11 + 15; its own prompts
+    # are kept in turn (64 slots). Turn 3 keeps 33 / 41 / 55 of turn 2's (14 + 19 + 15) rather than 20 / 30 / 40
+    # of turn 1's (27 + 30 + 30)
+    assert got == [PREFIX + 90, 39, 48]
+    # sampled: n samples per prompt from the kept prompts equal the unshared path's rows
+    s2 = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16)
+    s2.generate(m.params, turns[0], **kw)
+    x = s2.generate(m.params, turns[1], max_new_tokens=12, stop_token_ids=(), temperature=1.0, seed=4, n=2)
+    y = plain.generate(m.params, turns[1], max_new_tokens=12, stop_token_ids=(), temperature=1.0, seed=4, n=2)
+    assert x.prefill_tokens == 39
+    _assert_same(x, y)
