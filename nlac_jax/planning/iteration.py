@@ -6,7 +6,8 @@ three calls per non-terminal transition; the policy targets' action, k futures, 
 tokens as presented and as computed when each sampler call prefills its prompts' common prefix once (what
 `LoopConfig.sampler_shared_prefix` does) and, with `LoopConfig.sampler_trunk_rows`, the trunks of the targets
 phases' calls (`block_trunks`: states of one episode, which uniform draws from a pod's buffer almost never give, so
-only with `LoopConfig.buffer_episode_blocks`), the tokens generated, and the train step's tokens unpacked (every
+only with `LoopConfig.buffer_episode_blocks`) and, with the prefix store too, the rollout turns that start from the
+last turn's kept prompts (`rollout_kept`), the tokens generated, and the train step's tokens unpacked (every
 example padded to `max_len`) or packed with shared prefixes (`LoopConfig.share_prefixes`; within blocks, the
 episode's transcript too). FLOPs are `footprint`'s analytic counts; seconds are roofline bounds (100% of peak,
 no communication, decode bound by reading the weights and the cache each step): lower bounds, for comparing
@@ -163,6 +164,18 @@ def _prefill_flops(cfg, tokens: float, first_key: float) -> float:
     return tokens * footprint.forward_flops_per_token(cfg, int(first_key + tokens / 2))
 
 
+def rollout_kept(w: Workload, trunk_rows: int, in_flight: int) -> float:
+    """Transcript tokens a rollout prompt (the mean over an episode's turns) starts from the last turn's kept
+    prompt instead of prefilling (`sampling.Sampler._keep_prompts`): turn t's prompt holds t turns after the head and
+    keeps the t - 1 of turn t - 1's, so an episode of T turns keeps turn_tokens (T - 1)(T - 2) / 2 of its
+    turn_tokens T (T - 1) / 2, for the share of the `in_flight` episodes the `trunk_rows` kept rows hold. Nothing
+    when fewer than two episodes share a call (a one-prompt call takes no shared path)."""
+    if in_flight < 2 or w.turns <= 2 or not w.turn_tokens:
+        return 0.0
+    covered = min(1.0, trunk_rows / in_flight)
+    return covered * w.turn_tokens * (w.turns - 1) * (w.turns - 2) / (2 * w.turns)
+
+
 def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hbm_bandwidth: float,
              mesh_shape: dict) -> list[dict]:
     """Per phase: prompt tokens presented, computed without and with shared prefixes, generated tokens, FLOPs and
@@ -209,6 +222,9 @@ def estimate(cfg, loop, rs, tcfg, w: Workload, chips: int, peak_flops: float, hb
             if trunked < 0.2 * c.prompts * (c.length - shared):  # plan_trunks' min_gain: no trunk call
                 trunked = 0.0
             # the skipped tokens sit right after the head: their FLOPs at that depth
+            with_shared -= c.prompts * _prefill_flops(cfg, trunked / c.prompts, shared)
+        elif trunk_rows and loop.sampler_prefix_store and c.phase == "rollouts":
+            trunked = c.prompts * rollout_kept(w, trunk_rows, min(loop.env_pool, loop.episodes_per_iteration))
             with_shared -= c.prompts * _prefill_flops(cfg, trunked / c.prompts, shared)
         # decode: every sample's tokens; time per step bound by reading weights + this call's cache rows
         gen = c.prompts * c.samples * c.new

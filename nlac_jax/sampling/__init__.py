@@ -102,7 +102,9 @@ Design
   row and prefills only what the turn added; it then keeps its own prompts in turn. τ2 retail's gold-script
   rollout (`benchmarks/bench_targets.py`): 40.1% of the prompt tokens presented prefilled with the common prefix
   kept across calls, 16.5% with the turns kept (a perfect prefix cache: 9.9%; calls where a single episode still
-  runs share nothing). `pack` compiles once per prefilled-cache shape, the first time it is seen.
+  runs share nothing). `pack` compiles once per prefilled-cache shape, the first time it is seen. Continuous
+  batching keeps them too: each refill's kept prompts are packed into a G-row set right after the refill
+  prefilled them (`decode.keep_into_impl`, before the next decode donates the state).
 * Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
   groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and

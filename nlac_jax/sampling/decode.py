@@ -269,6 +269,19 @@ def take_cache_rows(cache: dict, rows: Array) -> dict:
     return decoder.constrain_cache(out)
 
 
+def _packed_rows(cache: dict, rows: Array, index: Array) -> dict:
+    """`pack_impl` without its trace count (`keep_into_impl` reads it too)."""
+    c = take_cache_rows(cache, rows)
+    order = jnp.argsort(1 - c["mask"], axis=-1, stable=True)  # [G, S]: valid slots first, in order
+
+    def move(a):  # [G, K, S, D] by slot
+        return jnp.take_along_axis(a, order[:, None, :, None], axis=2)
+    layered = isinstance(c["k"], (tuple, list))
+    out = {k: tuple(move(a) for a in c[k]) if layered else jax.vmap(move)(c[k]) for k in ("k", "v")}
+    out.update(mask=jnp.take_along_axis(c["mask"], order, axis=-1), index=jnp.asarray(index, jnp.int32))
+    return decoder.constrain_cache(out)
+
+
 def pack_impl(cache: dict, rows: Array, index: Array) -> dict:
     """The prompt rows `rows` [G] (int32) of a prefilled cache (`prefill_impl`'s, before decoding), each with its
     valid slots moved to the left in their order (the common prefix first, then the kept trunk's and the rest's
@@ -278,14 +291,22 @@ def pack_impl(cache: dict, rows: Array, index: Array) -> dict:
     stored after RoPE and attention reads the mask only, so moving a row's slots changes nothing it computes (full
     attention; sliding-window configs never share)."""
     TRACE_COUNTS["pack"] += 1
-    c = take_cache_rows(cache, rows)
-    order = jnp.argsort(1 - c["mask"], axis=-1, stable=True)  # [G, S]: valid slots first, in order
+    return _packed_rows(cache, rows, index)
 
-    def move(a):  # [G, K, S, D] by slot
-        return jnp.take_along_axis(a, order[:, None, :, None], axis=2)
-    layered = isinstance(c["k"], (tuple, list))
-    out = {k: tuple(move(a) for a in c[k]) if layered else jax.vmap(move)(c[k]) for k in ("k", "v")}
-    out.update(mask=jnp.take_along_axis(c["mask"], order, axis=-1), index=jnp.asarray(index, jnp.int32))
+
+def keep_into_impl(kept: dict, cache: dict, slots: Array, dest: Array, index: Array) -> dict:
+    """Continuous batching's kept prompts: the decode state's cache rows `slots` [R] (int32; just refilled, so
+    they hold their prompts only), packed as `pack_impl` packs them, written into rows `dest` [R] of `kept` (a
+    cache of G rows; a dest >= G is an unused entry, dropped); `index` becomes kept's index."""
+    TRACE_COUNTS["keep"] += 1
+    new = _packed_rows(cache, slots, index)
+
+    def put(old, value, axis=0):
+        return old.at[(slice(None),) * axis + (dest,)].set(value.astype(old.dtype), mode="drop")
+    layered = isinstance(kept["k"], (tuple, list))
+    out = {k: tuple(put(o, v) for o, v in zip(kept[k], new[k])) if layered else put(kept[k], new[k], axis=1)
+           for k in ("k", "v")}
+    out.update(mask=put(kept["mask"], new["mask"]), index=new["index"])
     return decoder.constrain_cache(out)
 
 

@@ -24,7 +24,8 @@ from nlac_jax.models.decoder import fuse_projections, has_inference_weights, inf
 from nlac_jax.parallel import sharding, xla_options
 from nlac_jax.parallel.distributed import replicated_to_global
 from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, decode_impl, empty_state, fit_impl,
-                                      pack_impl, prefill_impl, prefix_impl, refill_impl, trunk_impl)
+                                      keep_into_impl, pack_impl, prefill_impl, prefix_impl, refill_impl,
+                                      trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
                                         plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length,
                                         stop_table, trunk_grid)
@@ -158,6 +159,11 @@ class Sampler:
             return pack_impl(cache, rows, index)
 
         self.pack = jax.jit(sampler_pack)
+
+        def sampler_keep(kept, cache, slots, dest, index):
+            return keep_into_impl(kept, cache, slots, dest, index)
+
+        self.keep_into = jax.jit(sampler_keep, donate_argnums=(0,))
         self._pack_shapes: set = set()  # prefilled-cache shapes whose `pack` is compiled
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
@@ -458,40 +464,53 @@ class Sampler:
         self._trunk_sets.insert(0, self._trunk_sets.pop(i))
         return old, cut
 
-    def _keep_prompts(self, params, cache, prompts, n: int, shared: int, buckets, own: bool) -> None:
-        """Keep a one-batch call's prompts as a trunk set (`_trunk_sets`), from its prefilled `cache` (rows i*n hold
-        prompt i), when the call prefilled no trunks of its own (`own`): a rollout turn, whose episodes share
-        nothing beyond the common prefix, so no trunks form, while the next turn's prompts extend these. Up to
-        `trunk_rows` prompts (the longest rests that a grid width holds), each row's valid slots packed to the left
-        (`pack_impl`) and cut to the common prefix plus the smallest grid width w that holds them; the next call
-        finds it as it finds kept trunks (`_kept_trunks`: same tree and common prefix, w in its grid, and the least
-        to prefill). With trunks and the store on only. The pack executable of each prefilled-cache shape is
-        compiled the first time the shape is seen, so which calls keep their prompts never compiles later."""
+    def _keep_plan(self, prompts, shared: int, buckets, own: bool, compile_key=None, compile_fn=None):
+        """Which prompts a call keeps as a trunk set for the next call (`_trunk_sets`): with trunks and the store
+        on, when the call prefilled no trunks of its own (`own`): a rollout turn, whose episodes share nothing
+        beyond the common prefix, so no trunks form, while the next turn's prompts extend these. Up to
+        `trunk_rows` prompts, the longest rests that a grid width holds, at the smallest grid width w that holds
+        them; the next call finds the set as it finds kept trunks (`_kept_trunks`: same tree and common prefix, w
+        in its grid, and the least to prefill). Returns (the kept prompts' indices, ascending; w) or None.
+        compile_fn(): lowers and compiles the executable that keeps them (`pack` or `keep_into`) the first time
+        its shapes (`compile_key`) are seen, whether or not this call keeps anything, so which calls keep their
+        prompts never compiles later (the later calls' jit finds it)."""
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // self.data_parallel) * self.data_parallel
-        grid = self._trunk_widths.get(buckets + (shared,), ())
+        grid = self._trunk_widths.get(tuple(buckets) + (shared,), ())
         if not (G and self.prefix_store and grid and len(prompts) >= 2):
-            return
-        key = tuple(cache["mask"].shape)  # (rows, slots): with the config, every shape of the cache
-        if key not in self._pack_shapes:  # lowered and compiled only: the later calls' jit finds the executable
-            self._pack_shapes.add(key)
-            self.pack.lower(cache, self.device_rows(np.zeros((G,), np.int32))[0],
-                            self.replicated(jnp.int32(0))).compile()
+            return None
+        if compile_fn is not None and compile_key not in self._pack_shapes:
+            self._pack_shapes.add(compile_key)
+            compile_fn()
         if own:
-            return
+            return None
         rests = [p[shared:] for p in prompts]
         fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))[:G]
         if not fits:
+            return None
+        return sorted(fits), next(g for g in grid if g >= len(rests[fits[0]]))
+
+    def _store_kept(self, params, prompts, shared: int, chosen, w: int, kept) -> None:
+        """Keep `kept` (G rows: the `chosen` prompts' packed rows first, `pack_impl`) as a trunk set of width w."""
+        cut = self.fit(kept, cache_len=shared + w)
+        self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]),
+                             tuple(tuple(prompts[i][shared:]) for i in chosen), w, cut)] + \
+            self._trunk_sets[:self.prefix_store - 1]
+
+    def _keep_prompts(self, params, cache, prompts, n: int, shared: int, buckets, own: bool) -> None:
+        """The one-batch path's kept prompts (`_keep_plan`), from its prefilled `cache` (rows i*n hold prompt i),
+        each row's valid slots packed to the left (`pack_impl`) and cut to the common prefix plus w."""
+        G = -(-self.trunk_rows // self.data_parallel) * self.data_parallel
+        plan = self._keep_plan(prompts, shared, buckets, own, compile_key=("pack",) + tuple(cache["mask"].shape),
+                               compile_fn=lambda: self.pack.lower(cache, self.device_rows(np.zeros((G,), np.int32))[0],
+                                                                  self.replicated(jnp.int32(0))).compile())
+        if plan is None:
             return
-        longest = len(rests[fits[0]])
-        w = next(g for g in grid if g >= longest)
-        chosen = sorted(fits)
+        chosen, w = plan
         rows = np.full((G,), chosen[0] * n, np.int32)
         rows[:len(chosen)] = np.asarray(chosen, np.int32) * n
         (rows,) = self.device_rows(rows)
-        packed = self.pack(cache, rows, self.replicated(jnp.int32(shared + w)))
-        cut = self.fit(packed, cache_len=shared + w)
-        self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]), tuple(tuple(rests[i]) for i in chosen),
-                             w, cut)] + self._trunk_sets[:self.prefix_store - 1]
+        self._store_kept(params, prompts, shared, chosen, w,
+                         self.pack(cache, rows, self.replicated(jnp.int32(shared + w))))
 
     def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
         """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
@@ -563,13 +582,13 @@ class Sampler:
         With a `common` prefix (as in `_one_batch`), every refill starts from the shared prefix's (or the trunks')
         cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
-        cache_len = Tb + Nb
+        cache_len, whole, full = Tb + Nb, prompts, Tb
         # (continuous batching compiles its refill's rest widths as they come: the loop does not use it)
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, _ = self._starts(params, prompts, Tb, Nb,
-                                                                                              common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, own = self._starts(params, prompts, Tb,
+                                                                                                Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
-        dp = self.data_parallel
+        dp, per = self.data_parallel, n  # row r holds sample r % per of prompt r // per, whatever n becomes below
         want = max(1, B // 8) if refill_rows is None else int(refill_rows)
         if n > B // dp * dp or n > B:  # a prompt's n rows cannot all fit at once: no sharing
             prompts = [p for p in prompts for _ in range(n)]
@@ -581,9 +600,41 @@ class Sampler:
             Ru -= dp
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
+        on_refill, kept = None, {}
+        G = -(-self.trunk_rows // dp) * dp
+        if G:
+            # the prompts kept for the next call (`_keep_plan`), each packed from its slot right after the refill
+            # that prefilled it (before the next decode, which donates the state)
+            def empty_kept():
+                return self.empty(key, batch=G, cache_len=cache_len, new_bucket=Nb).cache
+
+            def compile_keep():
+                args = (empty_kept(), st.cache) + tuple(self.replicated(
+                    (np.zeros((Ru,), np.int32), np.zeros((Ru,), np.int32), jnp.int32(0))))
+                self.keep_into.lower(*args).compile()
+            plan = self._keep_plan(whole, shared, (full, Nb), own, compile_key=("keep", B, cache_len, Ru, G),
+                                   compile_fn=compile_keep)
+            if plan is not None:
+                kept["cache"] = empty_kept()
+                chosen, w = plan
+                dest_of = {int(p): i for i, p in enumerate(chosen)}
+                index = self.replicated(jnp.int32(shared + w))
+
+                def on_refill(state, idx, row_ids):
+                    slot, dest = np.zeros((Ru,), np.int32), np.full((Ru,), G, np.int32)  # dest G: dropped
+                    firsts = [(int(b), dest_of[int(r) // per]) for b, r in zip(idx, row_ids)
+                              if r >= 0 and r % per == 0 and int(r) // per in dest_of]
+                    for j, (b, d) in enumerate(firsts):
+                        slot[j], dest[j] = b, d
+                    if firsts:
+                        kept["cache"] = self.keep_into(kept["cache"], state.cache,
+                                                       *self.replicated((slot, dest)), index)
+                        kept["used"] = True
         out = run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
                         rows=len(prompts) * n, prompt_bucket=Tb,
-                        prefix=None if cache is None else (cache, psrc, pkeep))
+                        prefix=None if cache is None else (cache, psrc, pkeep), on_refill=on_refill)
+        if kept.get("used"):
+            self._store_kept(params, whole, shared, chosen, w, kept["cache"])
         return out[:-1] + (shared, prefilled, start_slots + out[-1])
 
     __call__ = generate

@@ -31,13 +31,14 @@ def half_batch(batch: int, top: int, levels: int, dp: int) -> int | None:
 
 
 def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_rows, slots_used, rows,
-              prompt_bucket=0, prefix=None):
+              prompt_bucket=0, prefix=None, on_refill=None):
     """Decode a state whose slots hold rows `holds` (row index, or -1 = free) until all `rows` rows are done.
     Row r continues prompt r // n. Refill free slots with rows nxt.. (`refill_rows` prompts at a time, n rows
     each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
     arrays in row order, decode rounds, token slots and the prompt slots the refills prefilled (rows x width,
     padding included). prefix: None, or (the start cache, the cache row of each prompt or None, the tokens each
-    prompt keeps of it: `Sampler._starts`)."""
+    prompt keeps of it: `Sampler._starts`). on_refill(state, slots, row ids): called after each refill, before the
+    state is decoded (and donated): the host arrays of the refill's entries (row id -1: unused)."""
     P, B, Ru = rows, len(holds), refill_rows
     top = B
     R = Ru * n  # slot entries per refill
@@ -66,8 +67,11 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
                 a = nxt // n
                 start = sampler.prefix_arg(cache, None if psrc is None else psrc[a:a + len(take)],
                                            pkeep[a:a + len(take)], Ru)
+            host_idx, host_rows = idx.copy(), row_ids.copy()
             idx, row_ids, src = sampler.replicated((idx, row_ids, src if n > 1 else None))
             st = sampler.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, start)
+            if on_refill is not None:
+                on_refill(st, host_idx, host_rows)
             nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
             refilled += Ru * prompt_bucket
             continue  # fill every free slot before decoding

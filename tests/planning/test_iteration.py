@@ -16,7 +16,7 @@ W = iteration.Workload(shared_tokens=100, turns=3, turn_tokens=10, role_tokens=5
                        summary_tokens=4, critique_tokens=3)
 LOOP = types.SimpleNamespace(episodes_per_iteration=2, critic_examples=3, policy_examples=2, sampler_max_batch=4,
                              max_len=128, batch_size=2, buffer_episode_blocks=1, sampler_trunk_rows=0,
-                             sampler_shared_prefix=64, sampler_prefix_store=0)
+                             sampler_shared_prefix=64, sampler_prefix_store=0, env_pool=2)
 CFG = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -168,6 +168,31 @@ def test_estimate_with_trunks_over_blocks_by_hand():
                                                       mesh)}
     assert iteration.trunk_width(w, 0, 128, 128, 16) == 24
     assert rows1["policy targets"]["computed_shared"] == base["policy targets"]["computed_shared"]
+
+
+def test_rollout_turns_kept_by_hand():
+    """With trunks and the store, a rollout turn starts from the last turn's kept prompts (Sampler._keep_prompts):
+    3-turn episodes of 64-token turns, 2 in flight: turn 2 keeps turn 1's 64 transcript tokens, so the 6 prompts
+    (2 episodes x 3 turns) prefill 2 x 64 fewer; one kept row for the 2 episodes keeps half of that; one episode in
+    flight, or no store, keeps nothing."""
+    w = iteration.Workload(shared_tokens=100, turns=3, turn_tokens=64, role_tokens=5, action_tokens=2,
+                           summary_tokens=4, critique_tokens=3)
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+
+    def rollouts(**kw):
+        loop = types.SimpleNamespace(**{**vars(LOOP), "sampler_max_batch": 64, "sampler_shared_prefix": 16,
+                                        "sampler_prefix_store": 4, **kw})
+        return {r["phase"]: r for r in iteration.estimate(CFG, loop, RoleSampling(), TargetConfig(), w, 1, 1e12,
+                                                          1e11, mesh)}["rollouts"]
+    base = rollouts(sampler_trunk_rows=0)
+    assert base["computed_shared"] == 100 + 6 * 64  # the head once, then every prompt's transcript (64 on average)
+    assert rollouts(sampler_trunk_rows=8)["computed_shared"] == base["computed_shared"] - 2 * 64
+    assert rollouts(sampler_trunk_rows=1)["computed_shared"] == base["computed_shared"] - 64
+    assert rollouts(sampler_trunk_rows=8, env_pool=1)["computed_shared"] == base["computed_shared"]
+    # no store, nothing kept: the model's one call (6 prompts <= 64 per call) computes the head once, as above
+    assert rollouts(sampler_trunk_rows=8, sampler_prefix_store=0)["computed_shared"] == base["computed_shared"]
+    assert rollouts(sampler_trunk_rows=8)["flops_shared"] < base["flops_shared"]
+    assert iteration.rollout_kept(w, 8, 2) == pytest.approx(64 / 3)
 
 
 def test_spare_trunk_rows_lift_the_width_a_lone_deep_prompt_caps():

@@ -431,7 +431,8 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     """A rollout: each call holds one prompt per episode (nothing shared beyond the common prefix, so no trunks
     form), and each turn's prompts extend the last turn's. The sampler keeps a call's prompts as a trunk set
     (`_keep_prompts`), so each turn prefills only what its prompts add, by hand; greedy tokens equal the unshared
-    path's and transformers', sampled rows (n per prompt) the unshared path's; the later turns compile nothing."""
+    path's and transformers', sampled rows (n per prompt) the unshared path's; the later turns compile nothing;
+    continuous batching keeps each refill's prompts and gets the same counts."""
     hm, m = qwen
     rng = np.random.RandomState(21)
     head = rng.randint(3, VOCAB - 3, PREFIX).tolist()
@@ -467,3 +468,10 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     y = plain.generate(m.params, turns[1], max_new_tokens=12, stop_token_ids=(), temperature=1.0, seed=4, n=2)
     assert x.prefill_tokens == 39
     _assert_same(x, y)
+    # continuous batching (more prompts than slots: a rollout with more episodes than a call's rows): each
+    # refill's prompts are kept as soon as they are prefilled, so the same turns prefill the same counts
+    cont = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16)
+    for t, ps in enumerate(turns):
+        c = cont.generate(m.params, ps, max_new_tokens=12, stop_token_ids=(), slots=2, refill_rows=1)
+        assert c.prefill_tokens == got[t]
+        np.testing.assert_array_equal(c.tokens, plain.generate(m.params, ps, **kw).tokens)
