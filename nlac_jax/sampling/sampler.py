@@ -82,9 +82,9 @@ class Sampler:
         # With trunk_rows, as many trunk sets are kept too: a call whose prompts share more with an earlier call's
         # trunks (same tree, same common prefix; in a targets phase, the same episodes' transcripts read by another
         # role) than its own trunks would save starts from them (`requests.plan_from_trunks`) and prefills none.
-        # A one-batch call that prefilled no trunks of its own keeps its prompts as a trunk set (`_keep_prompts`: up
-        # to trunk_rows of them, the longest), so a rollout's next turn, whose prompts extend this turn's, prefills
-        # only the action and the new observation.
+        # A call that prefilled no trunks of its own keeps its prompts as a trunk set (`_keep_plan`: up to
+        # trunk_rows of them, the longest; continuous batching packs each refill's as it goes), so a rollout's next
+        # turn, whose prompts extend this turn's, prefills only the action and the new observation.
         self.prefix_store = max(0, int(prefix_store))
         self._stored: list = []  # [(leaf ids, parameter tree, prefix tokens, cache)], newest first
         self._trunk_sets: list = []  # [(leaf ids, tree, prefix tokens, trunk tokens, width, cache)], newest first
@@ -164,7 +164,7 @@ class Sampler:
             return keep_into_impl(kept, cache, slots, dest, index)
 
         self.keep_into = jax.jit(sampler_keep, donate_argnums=(0,))
-        self._pack_shapes: set = set()  # prefilled-cache shapes whose `pack` is compiled
+        self._pack_shapes: set = set()  # the shapes whose `pack` / `keep_into` executable is compiled (_keep_plan)
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
