@@ -116,7 +116,8 @@ Design
   depends on its data, so the first call of two or more prompts at a bucket compiles the trunk and prefill
   executables of every grid width there (lowered only; one trunk run on placeholder rows): no later call at that
   bucket compiles, and a plan never depends on what the process compiled before. Continuous batching's refills
-  still compile a new rest width as it comes (the loop does not use them).
+  still compile a new rest width as it comes with trunks (the loop runs continuous calls whenever a call has more
+  prompts than `LoopConfig.sampler_max_batch`, e.g. a pod's 256-episode rollouts through 32-row calls).
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.

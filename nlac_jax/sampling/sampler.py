@@ -583,7 +583,8 @@ class Sampler:
         cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len, whole, full = Tb + Nb, prompts, Tb
-        # (continuous batching compiles its refill's rest widths as they come: the loop does not use it)
+        # (with trunks, continuous batching compiles its refill's rest widths as they come; the loop runs continuous
+        # calls whenever a call has more prompts than LoopConfig.sampler_max_batch)
         prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, own = self._starts(params, prompts, Tb,
                                                                                                 Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
