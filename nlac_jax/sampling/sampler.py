@@ -414,8 +414,9 @@ class Sampler:
         kept = self._kept_trunks(params, prompts[0][:shared], rests, width, grid, plan)
         if kept is not None:  # an earlier call's trunks leave less to prefill: start from them
             old, trunks = kept
-            return (old.rests(rests), width - old.width, self.fit(trunks, cache_len=cache_len), old.group,
-                    keep + old.keep, shared, computed, computed * D, fresh, False)
+            left = old.rests(rests)
+            return (left, width - _widest(grid, old.width, width, left), self.fit(trunks, cache_len=cache_len),
+                    old.group, keep + old.keep, shared, computed, computed * D, fresh, False)
         if plan is None:
             return rests, width, cache, None, keep, shared, computed, computed * D, fresh, False
         ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
@@ -425,7 +426,8 @@ class Sampler:
             self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]), plan.trunks, plan.width,
                                  cut)] + self._trunk_sets[:self.prefix_store - 1]
             cache = self.fit(cut, cache_len=cache_len)
-        return (plan.rests(rests), width - plan.width, cache, plan.group, keep + plan.keep, shared,
+        left = plan.rests(rests)
+        return (left, width - _widest(grid, plan.width, width, left), cache, plan.group, keep + plan.keep, shared,
                 computed + sum(map(len, plan.trunks)), computed * D + G * plan.width, fresh, True)
 
     def rest_width(self, rests: Sequence[list], width: int, start) -> int:
@@ -648,6 +650,16 @@ class Sampler:
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}
+
+
+def _widest(grid, trunk_width: int, width: int, rests) -> int:
+    """Where the rests start after trunks `trunk_width` wide: the widest grid value g >= trunk_width that still
+    leaves every rest its slots (width - g >= the longest), so they are prefilled in width - g slots, a width whose
+    prefill `_compile_rests` compiled, instead of width - trunk_width: a rollout turn's rests are its new tokens,
+    a few hundred, where width - trunk_width may be thousands. The trunk cache's index stays at the trunk's end,
+    so the prefill writes right after it and the g - trunk_width slots after the rests are never written."""
+    need = max(map(len, rests), default=0)
+    return max([g for g in grid if trunk_width <= g <= width - need], default=trunk_width)
 
 
 def _tree_ids(tree) -> tuple:

@@ -444,7 +444,7 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     plain = sampling.Sampler(m.config, min_shared_prefix=0)
     kw = dict(max_new_tokens=12, stop_token_ids=())
     compilations.install()
-    got, refs = [], []
+    got, refs, slots = [], [], []
     for t, ps in enumerate(turns):
         before = compilations.snapshot()
         a = rollout.generate(m.params, ps, **kw)
@@ -452,6 +452,7 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
             assert not compilations.since(before), compilations.since(before)
         f, b = flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
         got.append(a.prefill_tokens)
+        slots.append(a.prefill_slots)
         refs.append(b.tokens)
         assert f.prefill_tokens == (0 if t else PREFIX) + sum(cuts[t])  # every turn's whole transcripts
         _assert_same(a, b)
@@ -462,6 +463,10 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     # are kept in turn (64 slots). Turn 3 keeps 33 / 41 / 55 of turn 2's (14 + 19 + 15) rather than 20 / 30 / 40
     # of turn 1's (27 + 30 + 30)
     assert got == [PREFIX + 90, 39, 48]
+    # the slots: turn 1 prefills the head once and 4 rows (the batch bucket) of the 96 slots after it; turns 2 and
+    # 3 start from 48- and 64-slot kept sets, and their rests (at most 15 and 19 tokens) take the narrowest rest
+    # width the trunk grid compiled that holds them, 96 - 64 = 32 slots, not 96 - 48 or 96 - 64
+    assert slots == [PREFIX + 4 * 96, 4 * 32, 4 * 32]
     # sampled: n samples per prompt from the kept prompts equal the unshared path's rows
     s2 = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16)
     s2.generate(m.params, turns[0], **kw)
