@@ -109,10 +109,11 @@ Design
   groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
   states), `trunk` prefills each group's longest prompt once after the common prefix (`trunk_rows` rows), and
   every prompt starts from its trunk's row with the row's later tokens masked (`decode.prefix_rows`), keeping its
-  common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus the trunks' width (a
-  grid of two widths per power of two, `requests.trunk_grid`; trunk rows no group takes go to the longest prompts
-  in no group, as groups of one, so that a long lone prompt does not cap every trunk's width). Equal outputs as
-  above. The width a call takes
+  common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus a width of the grid
+  (two widths per power of two, `requests.trunk_grid`): the widest grid value from the trunks' width up that still
+  holds every rest (`sampler._widest`), so short rests take few slots, and only widths whose prefill the grid
+  compiled (trunk rows no group takes go to the longest prompts in no group, as groups of one, so that a long lone
+  prompt does not cap every trunk's width). Equal outputs as above. The width a call takes
   depends on its data, so the first call of two or more prompts at a bucket compiles the trunk and prefill
   executables of every grid width there (lowered only; one trunk run on placeholder rows): no later call at that
   bucket compiles, and a plan never depends on what the process compiled before. Continuous batching's refills
