@@ -29,6 +29,10 @@ Reported:
   the last two with the prefix store (`prefix_store=4`: a common prefix computed once per parameter tree across
   the calls). Each path replays the phase once to compile (reported apart), then once timed; the tokens generated
   must be identical on every path;
+* rollout: the policy's calls while the gold scripts play (one per turn, one prompt per episode still running),
+  the tokens the sampler prefills with each call's common prefix kept across calls and with each turn's prompts
+  kept for the next turn (`Sampler._keep_prompts`, trunk_rows=8), and a perfect prefix cache's; with
+  --time_rollout those calls replayed through the sampler in each of --modes, as --time_targets does;
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
   --timing the wall time of every step (compiles excluded and reported apart), same process, same examples,
@@ -478,9 +482,9 @@ def main(argv=None) -> int:
           f"({phase['trie'] / phase['presented']:.1%} of presented)")
 
     rcalls = rollout_calls(turns)
-    rolled = [text_ids for c in rcalls for text_ids in c.messages_batch]
-    presented = sum(len(text.encode_chat(tok, m, add_generation_prompt=True)) for m in rolled)
-    roll = dict(calls=len(rcalls), prompts=len(rolled), presented=presented,
+    rolled = [text.encode_chat(tok, m, add_generation_prompt=True) for c in rcalls for m in c.messages_batch]
+    presented = sum(map(len, rolled))
+    roll = dict(calls=len(rcalls), prompts=len(rolled), presented=presented, trie=trie_tokens(rolled),
                 store=sampler_prefill_tokens(rcalls, tok, prefix_store=4),
                 trunks_store=sampler_prefill_tokens(rcalls, tok, trunk_rows=8, prefix_store=4))
     print(f"\nrollout (the policy's calls while the episodes were played: {roll['calls']} turns, {roll['prompts']} "
@@ -489,7 +493,8 @@ def main(argv=None) -> int:
                       ("and each turn's prompts kept for the next turn (trunk_rows=8, Sampler._keep_prompts)",
                        "trunks_store")):
         print(f"  {name}: the sampler prefills {roll[key]:,} ({roll[key] / presented:.1%})")
-    print(f"  a perfect prefix cache over the rollout would compute {trie_tokens([text.encode_chat(tok, m, add_generation_prompt=True) for m in rolled]):,}")
+    print(f"  a perfect prefix cache over the rollout would compute {roll['trie']:,} "
+          f"({roll['trie'] / presented:.1%})")
     res = {"args": vars(a), "workload": w, "targets_phase": phase, "rollout": roll, "train": {}}
     if a.time_rollout:
         import jax
