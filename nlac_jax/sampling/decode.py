@@ -223,6 +223,22 @@ def empty_state(cfg: ModelConfig, key, *, batch: int, cache_len: int, new_bucket
         cache=decoder.constrain_cache(cache), step=jnp.int32(0), key=key, row_id=z - 1)
 
 
+def _scatter_rows(old: Array, rows: Array, value, axis: int = 0) -> Array:
+    """`old` with its entries `rows` [R] (int32) along `axis` set to `value` (R entries there, cast to old's dtype);
+    a row >= old.shape[axis] is an unused entry and is dropped."""
+    return old.at[(slice(None),) * axis + (rows,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
+
+
+def _scatter_cache_rows(cache: dict, rows: Array, new: dict) -> dict:
+    """k, v and mask of `cache` with rows `rows` [R] replaced by `new`'s R rows (per-layer [B, K, S, D] buffers or
+    stacked [L, B, K, S, D]); the caller sets the index, which refills scatter and kept sets replace."""
+    layered = isinstance(cache["k"], (tuple, list))
+    out = {k: tuple(_scatter_rows(o, rows, n) for o, n in zip(cache[k], new[k])) if layered
+           else _scatter_rows(cache[k], rows, new[k], axis=1) for k in ("k", "v")}
+    out["mask"] = _scatter_rows(cache["mask"], rows, new["mask"])
+    return out
+
+
 def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row_ids, ctl, src=None,
                 prefix=None) -> DecodeState:
     """Prefill prompts ids/mask [U, T] into slots [R] (int32; a slot >= B is an unused entry, dropped) of the
@@ -237,13 +253,11 @@ def refill_impl(cfg: ModelConfig, params, st: DecodeState, ids, mask, slots, row
     if src is not None:
         logits, new = jnp.take(logits, src, axis=0), take_cache_rows(new, src)
 
-    def put(old, value, axis=0):
-        return old.at[(slice(None),) * axis + (slots,)].set(jnp.asarray(value).astype(old.dtype), mode="drop")
+    def put(old, value):
+        return _scatter_rows(old, slots, value)
 
-    layer_axis = 0 if isinstance(st.cache["k"], (tuple, list)) else 1  # stacked caches: [L, B, K, S, D]
-    cache = {k: (tuple(put(o, n) for o, n in zip(st.cache[k], new[k])) if layer_axis == 0
-                 else put(st.cache[k], new[k], axis=1)) for k in ("k", "v")}
-    cache.update(mask=put(st.cache["mask"], new["mask"]), index=put(st.cache["index"], new["index"]))
+    cache = _scatter_cache_rows(st.cache, slots, new)
+    cache["index"] = put(st.cache["index"], new["index"])
     zeros = jnp.zeros(slots.shape, jnp.int32)
     replaced = put(jnp.zeros((B,), bool), True)
     st2 = st.replace(
@@ -301,12 +315,8 @@ def keep_into_impl(kept: dict, cache: dict, slots: Array, dest: Array, index: Ar
     TRACE_COUNTS["keep"] += 1
     new = _packed_rows(cache, slots, index)
 
-    def put(old, value, axis=0):
-        return old.at[(slice(None),) * axis + (dest,)].set(value.astype(old.dtype), mode="drop")
-    layered = isinstance(kept["k"], (tuple, list))
-    out = {k: tuple(put(o, v) for o, v in zip(kept[k], new[k])) if layered else put(kept[k], new[k], axis=1)
-           for k in ("k", "v")}
-    out.update(mask=put(kept["mask"], new["mask"]), index=new["index"])
+    out = _scatter_cache_rows(kept, dest, new)
+    out["index"] = new["index"]
     return decoder.constrain_cache(out)
 
 
