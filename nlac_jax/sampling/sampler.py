@@ -30,7 +30,7 @@ from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_k
                                         plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length,
                                         stop_table, trunk_grid)
 from nlac_jax.sampling.output import GenerateOutput, finish_rows
-from nlac_jax.sampling.slots import pad_rows, run_slots
+from nlac_jax.sampling.slots import on_device, pad_rows, run_slots
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,11 @@ class Sampler:
         # so a later call finds every width it may plan compiled, and a plan does not depend on what this process
         # compiled before (a resumed run plans as the uninterrupted one)
         self._trunk_widths: dict = {}
+        # the same keys -> (grid, the trunks' cache, the common prefix's cache or None) as shapes and shardings
+        # (`_shapes`): what `_compile_rests` lowers the rest widths' prefill and refill executables against, so a
+        # continuous call (refills) at buckets a one-batch call saw first still compiles every width at once
+        self._rest_shapes: dict = {}
+        self._refill_shapes: set = set()  # (slots, buckets, shared, refill prompts, n) whose refills are compiled
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -384,7 +389,7 @@ class Sampler:
         `prefix_store` held it) and the trunks, the slots those prefills ran (D rows of the prefix, the trunk rows
         at their width), fresh, own). fresh: None, or at the first call with trunks at these
         buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
-        cache of placeholder rows, the common prefix's cache or None) for `_compile_rests`. own: whether the call
+        cache and the common prefix's cache or None, as `_shapes`) for `_compile_rests` (`_rest_shapes`). own: whether the call
         prefilled trunks of its own (`_keep_prompts` keeps the prompts of a call that did not)."""
         shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
@@ -404,11 +409,11 @@ class Sampler:
             for w in grid[1:]:
                 self.trunk.lower(params, *self.device_rows(*pad_rows([], G, w)), start, cache_len=cache_len).compile()
             if grid:  # one run on placeholder rows: a trunks' cache exactly as the prefill will be given one
-                fresh = (grid, self.trunk(params, *self.device_rows(*pad_rows([], G, grid[0])), start,
-                                          cache_len=cache_len), cache)
+                trunks = self.trunk(params, *self.device_rows(*pad_rows([], G, grid[0])), start, cache_len=cache_len)
                 if self.prefix_store:  # kept trunks are cut to their filled slots and fitted back, at every width
                     for w in grid:
-                        self.fit(self.fit(fresh[1], cache_len=shared + w), cache_len=cache_len)
+                        self.fit(self.fit(trunks, cache_len=shared + w), cache_len=cache_len)
+                fresh = self._rest_shapes[(Tb, Nb, shared)] = (grid, _shapes(trunks), _shapes(cache))
         grid = self._trunk_widths[(Tb, Nb, shared)]
         plan = plan_trunks(rests, width, self.min_trunk, grid, max_trunks=G) if grid else None
         kept = self._kept_trunks(params, prompts[0][:shared], rests, width, grid, plan)
@@ -514,17 +519,17 @@ class Sampler:
         self._store_kept(params, prompts, shared, chosen, w,
                          self.pack(cache, rows, self.replicated(jnp.int32(shared + w))))
 
-    def _compile_rests(self, fresh, width: int, rows: int, prefill_args) -> None:
-        """Compile the prefill of `rows` prompt rows for every rest width a call at these buckets may take: the
-        call's rest `width` minus each trunk width of the grid (the start cache: the trunks'), and `width` itself
-        (no plan: the common prefix's cache or none). prefill_args(ids, mask, prefix): the call's own arguments
-        with these. Lowered and compiled only (nothing runs); the later calls' jit finds the executables."""
+    def _compile_rests(self, fresh, width: int, rows: int, compile_one) -> None:
+        """Compile the executable that prefills `rows` prompt rows (`prefill`, or a continuous call's `refill`) for
+        every rest width a call at these buckets may take: the call's rest `width` minus each trunk width of the
+        grid (the start cache: the trunks'), and `width` itself (no plan: the common prefix's cache or none).
+        fresh: (grid, trunks, base) of `_rest_shapes`. compile_one(ids, mask, prefix) lowers and compiles the
+        call's own executable with these. Nothing runs; the later calls' jit finds the executables."""
         grid, trunks, base = fresh
         src, keep = self.device_rows(np.zeros((rows,), np.int32), np.zeros((rows,), np.int32))
         for w, prefix in [(width - g, dict(cache=trunks, src=src, keep=keep)) for g in grid] + [
                 (width, self.prefix_arg(base, None, np.zeros((0,), np.int32), rows))]:
-            args, kwargs = prefill_args(*self.device_rows(*pad_rows([], rows, w)), prefix)
-            self.prefill.lower(*args, **kwargs).compile()
+            compile_one(*self.device_rows(*pad_rows([], rows, w)), prefix)
 
     def prefix_arg(self, cache, src, keep, rows: int):
         """The `prefix` argument of prefill / refill for `rows` prompt rows (src / keep: per real row, padded here
@@ -570,8 +575,8 @@ class Sampler:
         (live,) = self.device_rows(np.arange(Bb) < P)
         key, ctl, src = self.replicated((key, ctl, src))
         if fresh is not None:
-            self._compile_rests(fresh, full - shared, Ub, lambda i, m, pre: (
-                (params, i, m, live, key, ctl, src, pre), dict(new_bucket=Nb)))
+            self._compile_rests(fresh, full - shared, Ub, lambda i, m, pre: self.prefill.lower(
+                params, i, m, live, key, ctl, src, pre, new_bucket=Nb).compile())
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
         self._keep_prompts(params, st.cache, whole, n, shared, (full, Nb), own)  # before decode donates the state
         holds = [b if b < P else -1 for b in range(Bb)]
@@ -585,8 +590,6 @@ class Sampler:
         cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len, whole, full = Tb + Nb, prompts, Tb
-        # (with trunks, continuous batching compiles its refill's rest widths as they come; the loop runs continuous
-        # calls whenever a call has more prompts than LoopConfig.sampler_max_batch)
         prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, own = self._starts(params, prompts, Tb,
                                                                                                 Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
@@ -603,6 +606,17 @@ class Sampler:
             Ru -= dp
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
+        fresh, sig = self._rest_shapes.get((full, Nb, shared)), (B, full, Nb, shared, Ru, n)
+        if fresh is not None and sig not in self._refill_shapes:
+            # with trunks, a refill's rest width depends on its data (a grid width, `_widest`): compile them all
+            # the first time these shapes are seen, as the one-batch path does its prefills (the loop runs
+            # continuous calls whenever a call holds more prompts than LoopConfig.sampler_max_batch)
+            self._refill_shapes.add(sig)
+            R = Ru * n  # the arguments run_slots gives a refill
+            idx, rows, src = self.replicated((np.full((R,), B, np.int32), np.full((R,), -1, np.int32),
+                                              np.repeat(np.arange(Ru, dtype=np.int32), n) if n > 1 else None))
+            self._compile_rests(fresh, full - shared, Ru, lambda i, m, pre: self.refill.lower(
+                params, st, i, m, on_device(idx), on_device(rows), ctl, src, pre).compile())
         on_refill, kept = None, {}
         G = -(-self.trunk_rows // dp) * dp
         if G:
@@ -660,6 +674,14 @@ def _widest(grid, trunk_width: int, width: int, rests) -> int:
     so the prefill writes right after it and the g - trunk_width slots after the rests are never written."""
     need = max(map(len, rests), default=0)
     return max([g for g in grid if trunk_width <= g <= width - need], default=trunk_width)
+
+
+def _shapes(tree):
+    """`tree`'s arrays as shapes, dtypes and shardings (jax.ShapeDtypeStruct): enough to lower an executable that
+    takes them, without holding their memory (a 7B model's trunk cache is gigabytes per chip)."""
+    # an uncommitted array (made on the default device, not placed) lowers without a sharding, as a call with it
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                                       sharding=a.sharding if a.committed else None), tree)
 
 
 def _tree_ids(tree) -> tuple:

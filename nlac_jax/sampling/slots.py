@@ -13,7 +13,7 @@ import numpy as np
 
 from nlac_jax import text
 
-__all__ = ["pad_rows", "half_batch", "run_slots", "compile_drain", "fetch"]
+__all__ = ["pad_rows", "half_batch", "run_slots", "compile_drain", "on_device", "fetch"]
 
 
 def pad_rows(prompts, rows: int, width: int):
@@ -69,7 +69,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
                                            pkeep[a:a + len(take)], Ru)
             host_idx, host_rows = idx.copy(), row_ids.copy()
             idx, row_ids, src = sampler.replicated((idx, row_ids, src if n > 1 else None))
-            st = sampler.refill(params, st, ids, mask, jnp.asarray(idx), jnp.asarray(row_ids), ctl, src, start)
+            st = sampler.refill(params, st, ids, mask, on_device(idx), on_device(row_ids), ctl, src, start)
             if on_refill is not None:
                 on_refill(st, host_idx, host_rows)
             nxt, slots_used = nxt + len(take) * n, slots_used + R  # a refill picks R first tokens
@@ -98,7 +98,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
         # level, all compiled by _compile_drain when the bucket was first seen)
         while nxt == P and (half := half_batch(B, top, sampler.compact_levels, sampler.data_parallel)) and sum(h >= 0 for h in holds) <= half:
             keep = ([b for b in range(B) if holds[b] >= 0] + [b for b in range(B) if holds[b] < 0])[:half]
-            st = sampler.compact(st, sampler.replicated(jnp.asarray(np.asarray(keep, np.int32))))
+            st = sampler.compact(st, on_device(sampler.replicated(np.asarray(keep, np.int32))))
             holds, B = [holds[b] for b in keep], half
 
 
@@ -112,8 +112,16 @@ def compile_drain(sampler, params, st, ctl) -> None:
     ctl0 = dict(ctl, return_when_done=sampler.replicated(jnp.int32(0)))  # the decode loop returns at once
     B = top = sig[0]
     while half := half_batch(B, top, sampler.compact_levels, sampler.data_parallel):
-        st = sampler.decode(params, sampler.compact(st, sampler.replicated(jnp.arange(half, dtype=jnp.int32))), ctl0)
+        st = sampler.decode(params, sampler.compact(st, on_device(sampler.replicated(np.arange(half, dtype=np.int32)))), ctl0)
         B = half
+
+
+def on_device(x):
+    """A host array as a device array (one already on the devices as it is), copied without compiling anything:
+    jnp.asarray compiles an eager copy (a 'stage' executable) for each new shape, which the loop counts as a
+    compilation after iteration 1. The jitted functions see the same argument kind as the executables compiled
+    ahead of their calls (`compile_drain`, `Sampler._compile_rests`)."""
+    return x if isinstance(x, jax.Array) else jax.device_put(x)
 
 
 def fetch(x) -> np.ndarray:

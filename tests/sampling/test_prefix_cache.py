@@ -342,6 +342,15 @@ def test_trunks_greedy_sampled_and_continuous_equal_unshared(qwen):
         flat_tokens = sum(map(len, ps2)) - (len(ps2) - 1) * PREFIX  # the common prefix once, every rest whole
         assert (out.prefill_tokens < flat_tokens) if width else out.prefill_tokens == flat_tokens
         np.testing.assert_array_equal(out.tokens, plain.generate(m.params, ps2, max_new_tokens=16, stop_token_ids=()).tokens)
+    # the same with continuous batching (refills from the trunks' or the common prefix's cache, at another
+    # new-token bucket): the first continuous call there (above) compiled the refill of every rest width, so none
+    # of these compiles (before 2026-12-07 each new rest width compiled a refill when first met)
+    kw = dict(max_new_tokens=20, stop_token_ids=stop, temperature=1.0, seed=7, slots=4, refill_rows=2)
+    for ps2, width in calls:
+        before = compilations.snapshot()
+        out = tree.generate(m.params, ps2, **kw)
+        assert not compilations.since(before), (width, compilations.since(before))
+        _assert_same(out, plain.generate(m.params, ps2, **kw))
 
 
 @pytest.mark.slow
