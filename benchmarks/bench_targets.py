@@ -73,12 +73,23 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
     prefix_store > 0 none when the trunks of one of the last prefix_store calls that computed trunks (same
     parameter set and common prefix) leave less to prefill (`plan_from_trunks`, as `Sampler._starts` chooses), and
     each distinct prompt's remaining rest once (n samples of a prompt: once); a call that prefilled no trunks of its
-    own keeps its prompts as a trunk set (`Sampler._keep_prompts`: a rollout's next turn starts from them)."""
+    own keeps its prompts as a trunk set (`Sampler._keep_prompts`: a rollout's next turn starts from them); a call
+    of one prompt (a rollout's tail) starts from the kept trunk set or common prefix it extends that holds the most
+    of it (`Sampler._one_prompt_start`; a trunk set only where a call of two or more prompts at the same prompt
+    bucket and common prefix compiled its grid)."""
     from nlac_jax import text
     from nlac_jax.sampling import plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length, trunk_grid
-    out, stored, trunk_sets = 0, [], []
+    out, stored, trunk_sets, grids = 0, [], [], set()
     for call in calls:
         prompts = [text.encode_chat(tokenizer, m, add_generation_prompt=True) for m in call.messages_batch]
+        bucket = text.bucket_length(max(map(len, prompts)), 16, fine=True)
+        if len(prompts) == 1 and prefix_store:
+            hit = _one_prompt_start(prompts[0], call.params, bucket, stored, trunk_sets, grids, trunk_rows,
+                                    min_shared_prefix, prefix_store)
+            if hit is not None:
+                out += len(prompts[0]) - hit[0]
+                stored, trunk_sets = hit[1], hit[2]
+                continue
         L = prefix_to_share(shared_prefix_length(prompts, min_shared_prefix), (), min_shared_prefix)
         rests = [p[L:] for p in prompts]
         key = (call.params, tuple(prompts[0][:L]))
@@ -92,7 +103,9 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
         plan = None
         cost = sum(map(len, rests))
         if trunk_rows:
-            width = text.bucket_length(max(map(len, prompts)), 16, fine=True) - L
+            width = bucket - L
+            if len(prompts) >= 2:
+                grids.add((bucket, L))
             plan = plan_trunks(rests, width, max(1, min_shared_prefix), max_trunks=trunk_rows)
             if plan is not None:
                 cost = plan.tokens(rests)
@@ -109,7 +122,7 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
             elif plan is not None and prefix_store:
                 trunk_sets = [key + (plan.trunks, plan.width)] + trunk_sets[:prefix_store - 1]
             grid = trunk_grid(max(1, min_shared_prefix), width)
-            if prefix_store and (plan is None or reused is not None) and grid and len(prompts) >= 2:
+            if prefix_store and (plan is None or reused is not None) and grid and (bucket, L) in grids:
                 # a call without trunks of its own keeps its prompts (`Sampler._keep_prompts`): the longest
                 # trunk_rows rests a grid width holds, at the smallest grid width that holds them
                 fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))
@@ -119,6 +132,37 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
                     trunk_sets = [key + (tuple(tuple(rests[i]) for i in chosen), w)] + trunk_sets[:prefix_store - 1]
         out += L_computed + cost
     return out
+
+
+def _one_prompt_start(prompt, params, bucket, stored, trunk_sets, grids, trunk_rows, min_shared_prefix, prefix_store):
+    """`sampler_prefill_tokens`' model of `Sampler._one_prompt_start`: (the prompt's tokens its start holds, the
+    store's prefixes, its trunk sets, both updated: a one-prompt call that starts from a trunk set keeps its own
+    prompt as one, and a common prefix it starts from becomes the newest) or None (nothing kept that it extends)."""
+    from nlac_jax.sampling import plan_from_trunks, trunk_grid
+    best, saved = None, 0
+    for i, (p, toks, trunks, w) in enumerate(trunk_sets):
+        L = len(toks)
+        if p != params or L >= len(prompt) or tuple(prompt[:L]) != toks or (bucket, L) not in grids:
+            continue
+        plan = plan_from_trunks([prompt[L:]], trunks, bucket - L, w)
+        if plan is not None and L + int(plan.keep[0]) > saved:
+            saved, best = L + int(plan.keep[0]), ("trunks", i, L)
+    for i, (p, toks) in enumerate(stored):
+        if p == params and saved < len(toks) < len(prompt) and tuple(prompt[:len(toks)]) == toks:
+            saved, best = len(toks), ("prefix", i, len(toks))
+    if best is None:
+        return None
+    kind, i, L = best
+    if kind == "prefix":
+        stored = [stored[i]] + stored[:i] + stored[i + 1:]
+    else:
+        trunk_sets = [trunk_sets[i]] + trunk_sets[:i] + trunk_sets[i + 1:]
+    grid = trunk_grid(max(1, min_shared_prefix), bucket - L)
+    rest = prompt[L:]
+    if trunk_rows and (bucket, L) in grids and grid and len(rest) <= grid[-1]:  # kept for the next turn
+        w = next(g for g in grid if g >= len(rest))
+        trunk_sets = [(params, tuple(prompt[:L]), (tuple(rest),), w)] + trunk_sets[:prefix_store - 1]
+    return saved, stored, trunk_sets
 
 
 def domain_text(task_source, env) -> list[str]:

@@ -391,8 +391,19 @@ class Sampler:
         buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
         cache and the common prefix's cache or None, as `_shapes`) for `_compile_rests` (`_rest_shapes`). own: whether the call
         prefilled trunks of its own (`_keep_prompts` keeps the prompts of a call that did not)."""
-        shared = self._pick_shared(common, Tb, Nb)
         cache_len, D = Tb + Nb, self.data_parallel
+        if len(prompts) == 1 and self.prefix_store and not self.cfg.has_sliding_layers:
+            hit = self._one_prompt_start(params, prompts[0], Tb, Nb)
+            if hit is not None:  # (a miss: the prompt shares with nothing kept; it prefills as before)
+                shared, grid, plan, cut = hit
+                rests, width, keep = [prompts[0][shared:]], Tb - shared, np.full((1,), shared, np.int32)
+                if plan is None:  # a kept common prefix only
+                    cache, _ = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
+                    return rests, width, cache, None, keep, shared, 0, 0, None, False
+                left = plan.rests(rests)
+                return (left, width - _widest(grid, plan.width, width, left), self.fit(cut, cache_len=cache_len),
+                        plan.group, keep + plan.keep, shared, 0, 0, None, False)
+        shared = self._pick_shared(common, Tb, Nb)
         cache, computed = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
         rests, width = [p[shared:] for p in prompts], Tb - shared
         keep = np.full((len(prompts),), shared, np.int32)
@@ -447,6 +458,34 @@ class Sampler:
             return width
         return min(width, bucket_length(max(map(len, rests)), self.min_prompt_bucket))
 
+    def _one_prompt_start(self, params, prompt, Tb: int, Nb: int):
+        """Where a call of one prompt starts (a rollout's tail, where one episode still runs: nothing is shared
+        within the call, so neither a common prefix nor trunks form): from what the store keeps under these
+        parameters that the prompt extends, whichever leaves the least to prefill: a trunk set (the last turn's
+        prompts, `_keep_prompts`) whose common prefix the prompt starts with and whose trunk widths this call's
+        buckets compiled (`_trunk_widths`), or a kept common prefix (the environment's system prompt). Returns
+        (shared, the trunk grid, the plan over the set's rows (`plan_from_trunks`) or None for a common prefix,
+        the set's cut cache or None), or None when nothing kept is a prefix of the prompt. A trunk set used
+        becomes the newest."""
+        ids_, best, saved = _tree_ids(params), None, 0  # saved: the prompt's tokens its start cache holds
+        for i, (known, _tree, toks, trunks, w, cut) in enumerate(self._trunk_sets):
+            L = len(toks)
+            grid = self._trunk_widths.get((Tb, Nb, L), ())
+            if known != ids_ or L >= len(prompt) or tuple(prompt[:L]) != toks or w not in grid:
+                continue
+            plan = plan_from_trunks([prompt[L:]], trunks, Tb - L, w)
+            if plan is not None and L + int(plan.keep[0]) > saved:
+                saved, best = L + int(plan.keep[0]), (L, grid, plan, cut, i)
+        for known, _tree, toks, _cache in self._stored:
+            L = len(toks)
+            if known == ids_ and saved < L < len(prompt) and tuple(prompt[:L]) == toks:
+                saved, best = L, (L, (), None, None, None)
+        if best is None:
+            return None
+        if best[4] is not None:
+            self._trunk_sets.insert(0, self._trunk_sets.pop(best[4]))
+        return best[:4]
+
     def _kept_trunks(self, params, prefix, rests, width: int, grid, plan):
         """(the plan over kept trunks, their cut cache) when one of `_trunk_sets` (same parameter tree and common
         `prefix`, a trunk width of this call's `grid`: its prefill is compiled) leaves no more to prefill than
@@ -483,7 +522,7 @@ class Sampler:
         prompts never compiles later (the later calls' jit finds it)."""
         G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // self.data_parallel) * self.data_parallel
         grid = self._trunk_widths.get(tuple(buckets) + (shared,), ())
-        if not (G and self.prefix_store and grid and len(prompts) >= 2):
+        if not (G and self.prefix_store and grid):  # (one prompt too: a rollout's tail chains from turn to turn)
             return None
         if compile_fn is not None and compile_key not in self._pack_shapes:
             self._pack_shapes.add(compile_key)

@@ -476,6 +476,23 @@ def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     # 3 start from 48- and 64-slot kept sets, and their rests (at most 15 and 19 tokens) take the narrowest rest
     # width the trunk grid compiled that holds them, 96 - 64 = 32 slots, not 96 - 48 or 96 - 64
     assert slots == [PREFIX + 4 * 96, 4 * 32, 4 * 32]
+    # the tail: one episode still runs, so each call holds one prompt (nothing shared within it). It starts from
+    # the kept prompts it extends: turn 4 (episode 0's first 58 tokens) keeps the 47 of them turn 3 kept and
+    # prefills 11, and is kept in turn (58 <= 64); turn 5 (63 tokens) keeps those 58 and prefills 5. Without
+    # trunks a one-prompt call keeps the common prefix (the head): 58 and 63 tokens. The tokens equal the unshared
+    # path's and transformers'; turn 5 compiles nothing (turn 4, the first call of one row, compiles that batch
+    # bucket's executables, as any call at a new batch bucket does; the loop pads calls to sampler_min_batch rows)
+    for t, (cut, want) in enumerate(((58, 11), (63, 5))):
+        ps = [head + episodes[0][:cut]]
+        before = compilations.snapshot()
+        a = rollout.generate(m.params, ps, **kw)
+        assert not t or not compilations.since(before), compilations.since(before)
+        f, b = flat.generate(m.params, ps, **kw), plain.generate(m.params, ps, **kw)
+        assert (a.prefill_tokens, f.prefill_tokens, b.prefill_tokens) == (want, cut, PREFIX + cut)
+        assert a.shared_prefix == f.shared_prefix == PREFIX
+        _assert_same(a, b)
+        _assert_same(f, b)
+        np.testing.assert_array_equal(a.tokens, hf_greedy(hm, ps, 12))
     # sampled: n samples per prompt from the kept prompts equal the unshared path's rows
     s2 = sampling.Sampler(m.config, trunk_rows=4, min_trunk=16)
     s2.generate(m.params, turns[0], **kw)
