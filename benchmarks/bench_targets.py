@@ -122,14 +122,9 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
             elif plan is not None and prefix_store:
                 trunk_sets = [key + (plan.trunks, plan.width)] + trunk_sets[:prefix_store - 1]
             grid = trunk_grid(max(1, min_shared_prefix), width)
-            if prefix_store and (plan is None or reused is not None) and grid and (bucket, L) in grids:
-                # a call without trunks of its own keeps its prompts (`Sampler._keep_prompts`): the longest
-                # trunk_rows rests a grid width holds, at the smallest grid width that holds them
-                fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))
-                if fits:
-                    chosen = sorted(fits[:trunk_rows])
-                    w = next(g for g in grid if g >= len(rests[fits[0]]))
-                    trunk_sets = [key + (tuple(tuple(rests[i]) for i in chosen), w)] + trunk_sets[:prefix_store - 1]
+            kept = _kept_set(key, rests, grid, trunk_rows) if (bucket, L) in grids else None
+            if prefix_store and (plan is None or reused is not None) and kept is not None:
+                trunk_sets = [kept] + trunk_sets[:prefix_store - 1]  # a call without trunks of its own
         out += L_computed + cost
     return out
 
@@ -157,12 +152,21 @@ def _one_prompt_start(prompt, params, bucket, stored, trunk_sets, grids, trunk_r
         stored = [stored[i]] + stored[:i] + stored[i + 1:]
     else:
         trunk_sets = [trunk_sets[i]] + trunk_sets[:i] + trunk_sets[i + 1:]
-    grid = trunk_grid(max(1, min_shared_prefix), bucket - L)
-    rest = prompt[L:]
-    if trunk_rows and (bucket, L) in grids and grid and len(rest) <= grid[-1]:  # kept for the next turn
-        w = next(g for g in grid if g >= len(rest))
-        trunk_sets = [(params, tuple(prompt[:L]), (tuple(rest),), w)] + trunk_sets[:prefix_store - 1]
+    kept = _kept_set((params, tuple(prompt[:L])), [prompt[L:]], trunk_grid(max(1, min_shared_prefix), bucket - L),
+                     trunk_rows) if (bucket, L) in grids else None
+    if kept is not None:  # kept for the next turn
+        trunk_sets = [kept] + trunk_sets[:prefix_store - 1]
     return saved, stored, trunk_sets
+
+
+def _kept_set(key, rests, grid, trunk_rows):
+    """The trunk set a call that prefilled no trunks of its own keeps (`Sampler._keep_plan`): key + (the longest
+    trunk_rows rests a grid width holds, in prompt order; the smallest grid width that holds them), or None."""
+    fits = sorted((i for i, r in enumerate(rests) if grid and len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))
+    if not (trunk_rows and fits):
+        return None
+    w = next(g for g in grid if g >= len(rests[fits[0]]))
+    return key + (tuple(tuple(rests[i]) for i in sorted(fits[:trunk_rows])), w)
 
 
 def domain_text(task_source, env) -> list[str]:

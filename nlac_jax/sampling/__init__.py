@@ -103,8 +103,8 @@ Design
   rollout (`benchmarks/bench_targets.py`): 38.4% of the prompt tokens presented prefilled with the common prefix
   kept across calls, 12.5% with the turns kept (a perfect prefix cache: 9.9%). A call of one prompt (a single
   episode still runs: nothing to share within the call) starts from the kept trunk set or common prefix it extends
-  that holds the most of it (`Sampler._one_prompt_start`). `pack` compiles once per prefilled-cache shape, the first time it is seen. Continuous
-  batching keeps them too: each refill's kept prompts are packed into a G-row set right after the refill
+  that holds the most of it (`Sampler._one_prompt_start`). `pack` compiles once per prefilled-cache shape, the
+  first time it is seen. Continuous batching keeps them too: each refill's kept prompts are packed into a G-row set right after the refill
   prefilled them (`decode.keep_into_impl`, before the next decode donates the state).
 * Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
   groups the prompts whose rests share at least `min_trunk` more tokens (in an RL targets phase: one episode's
