@@ -66,6 +66,11 @@ class UnitScaleConfig:
       under the same phase seed for every arm of a seed (`unit_scale.final_evaluation`), into the `final/` metrics
       of its last row and the results' paired table. The per-iteration evaluations stay small (they draw the
       curves); this one sets the precision of the end-point comparison (0: none).
+    final_eval_at: iterations (each in 1 .. iterations - 1) after which every trained arm also gets that evaluation
+      (same episodes, same phase seed), into the `at<k>/` metrics of that iteration's row and a paired table of its
+      own against the warm start's final evaluation. The schedule is constant after warm-up and nothing in an
+      iteration reads the total, so iteration k of a longer run is iteration k of a k-iteration run: one run gives
+      both end points (needs final_eval_episodes > 0).
     """
 
     arms: tuple = ARMS
@@ -91,6 +96,7 @@ class UnitScaleConfig:
     warmup_policy_rehearsal: int = 0
     warm_role_repeat: dict = dataclasses.field(default_factory=dict)
     final_eval_episodes: int = 0
+    final_eval_at: tuple = ()
     warm_start_from: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -115,6 +121,13 @@ class UnitScaleConfig:
                                  f"{seed!r}: {d!r}")
         if int(self.final_eval_episodes) < 0:
             raise ValueError(f"UnitScaleConfig.final_eval_episodes must be >= 0, got {self.final_eval_episodes!r}")
+        bad = [k for k in self.final_eval_at if isinstance(k, bool) or not isinstance(k, int)
+               or not 1 <= k < int(self.iterations)]
+        if bad:
+            raise ValueError(f"UnitScaleConfig.final_eval_at: {bad} not iterations in 1..{int(self.iterations) - 1} "
+                             f"(the last iteration already gets the final evaluation)")
+        if self.final_eval_at and not int(self.final_eval_episodes):
+            raise ValueError("UnitScaleConfig.final_eval_at needs final_eval_episodes > 0 (its episode count)")
         if int(self.warmup_policy_rehearsal) < 0:
             raise ValueError(f"UnitScaleConfig.warmup_policy_rehearsal must be >= 0, got "
                              f"{self.warmup_policy_rehearsal!r}")

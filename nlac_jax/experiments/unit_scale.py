@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 
@@ -305,6 +306,8 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
                 routes, sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
                 with run.roles.routing(routes, sets):
                     m.update(probe(run, xcfg))
+            if it + 1 in xcfg.final_eval_at:  # an earlier end point measured as the last one is
+                m.update(final_evaluation(run, xcfg.final_eval_episodes, learner, prefix=f"at{it + 1}/"))
             rows.append(m)
             with open(os.path.join(out_dir, "examples", f"iter_{it + 1:04d}.txt"), "w") as f:
                 f.write(dump)
@@ -323,11 +326,12 @@ def run_arm(run, arm: str, seed: int, xcfg, warm_params, out_dir: str, initial_e
 FINAL_EVAL_ITERATION = 999_999
 
 
-def final_evaluation(run, episodes: int, learner=None) -> dict:
+def final_evaluation(run, episodes: int, learner=None, prefix: str = "final/") -> dict:
     """The current parameters evaluated once on ``episodes`` held-out episodes (the run's test tasks cycled in their
     order), under ``learner``'s routing (the frozen critic's critic roles stay frozen) and the phase seed of
-    FINAL_EVAL_ITERATION. Returns the evaluation's episode and critic metrics renamed ``eval/`` -> ``final/`` (its
-    generation counters dropped) and ``time/final_eval``."""
+    FINAL_EVAL_ITERATION. Returns the evaluation's episode and critic metrics renamed ``eval/`` -> ``prefix``
+    (``final/``, or ``at<k>/`` for UnitScaleConfig.final_eval_at; its generation counters dropped) and
+    ``time/<prefix>_eval``."""
     saved = run.eval_tasks
     held_out = saved[:len({t.id for t in saved})]  # eval_tasks cycles the held-out tasks in a fixed order
     routes, sets = learner.routing() if hasattr(learner, "routing") else ({}, {})
@@ -337,9 +341,9 @@ def final_evaluation(run, episodes: int, learner=None) -> dict:
             m = run.evaluate(FINAL_EVAL_ITERATION)
     finally:
         run.eval_tasks = saved
-    out = {"final/" + k[len("eval/"):]: v for k, v in m.items()
+    out = {prefix + k[len("eval/"):]: v for k, v in m.items()
            if k.startswith("eval/") and not k.startswith(("eval/gen/", "eval/prompt/"))}
-    out["time/final_eval"] = m["time/eval"]
+    out[f"time/{prefix.rstrip('/')}_eval"] = m["time/eval"]
     return out
 
 
@@ -440,23 +444,29 @@ def results_table(results: dict, seconds: dict, reference: dict | None = None, k
     return "\n".join(lines)
 
 
-def final_table(results: dict) -> str:
+def final_table(results: dict, prefix: str = "final/") -> str:
     """Markdown: the final evaluation (``UnitScaleConfig.final_eval_episodes``) per arm: held-out success per seed,
     mean ± std, and each seed's difference to its own warm start in points, with the binomial standard error of that
-    difference from the two evaluations' episodes alone (sqrt(p(1-p)/n + q(1-q)/n)). "" when no row has it."""
-    def final(rows, key="final/success_rate"):
+    difference from the two evaluations' episodes alone (sqrt(p(1-p)/n + q(1-q)/n)). ``prefix`` "at<k>/": the same
+    evaluation after iteration k (UnitScaleConfig.final_eval_at), against the warm start's final evaluation. ""
+    when no row has it."""
+    def final(rows, key):
         return _final(rows, key) if rows else math.nan
+
+    def count(rows, key):
+        n = final(rows, key)
+        return int(n) if math.isfinite(n) else 0
     warm = results.get("warm_start", {})
     lines = []
     for arm, per_seed in results.items():
-        vals = {s: final(rows) for s, rows in per_seed.items()}
+        vals = {s: final(rows, prefix + "success_rate") for s, rows in per_seed.items()}
         if not any(math.isfinite(v) for v in vals.values()):
             continue
-        ns = {s: int(rows[-1].get("final/num_episodes") or 0) for s, rows in per_seed.items() if rows}
+        ns = {s: count(rows, prefix + "num_episodes") for s, rows in per_seed.items() if rows}
         diffs, cells, se_cells = [], [], []  # a seed without both evaluations: "–" in its place
         for s, v in vals.items():
-            w = final(warm.get(s, []))
-            n, nw = ns.get(s, 0), int((warm.get(s) or [{}])[-1].get("final/num_episodes") or 0)
+            w = final(warm.get(s, []), "final/success_rate")
+            n, nw = ns.get(s, 0), count(warm.get(s, []), "final/num_episodes")
             if arm == "warm_start" or not (math.isfinite(v) and math.isfinite(w) and n and nw):
                 cells.append("–")
                 se_cells.append("–")
@@ -487,6 +497,10 @@ def report_table(results: dict, seconds: dict, reference: dict | None, keys: tup
     if final:
         table += ("\n\nThe final evaluation (`UnitScaleConfig.final_eval_episodes`, the same phase seed for every arm "
                   "of a seed):\n\n" + final)
+    for k in sorted({int(key[2:-len("/success_rate")]) for per_seed in results.values() for rows in per_seed.values()
+                     for r in rows for key in r if re.fullmatch(r"at\d+/success_rate", key)}):
+        table += (f"\n\nThe same evaluation after iteration {k} (`UnitScaleConfig.final_eval_at`), against the warm "
+                  f"start's:\n\n" + final_table(results, f"at{k}/"))
     if premise:
         table += "\n\n" + "\n".join(f"Seed {s}: {line}." for s, (_, line) in sorted(premise.items()))
     return table
