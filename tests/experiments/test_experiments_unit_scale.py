@@ -186,6 +186,30 @@ def test_a_seed_whose_warm_start_fails_the_premise_runs_no_arm(tmp_path):
         assert json.load(f)[0] is False  # what a rerun reads instead of checking again
 
 
+
+def test_an_earlier_end_point_is_its_own_paired_table_against_the_warm_starts_final():
+    """UnitScaleConfig.final_eval_at: the at<k>/ evaluation in iteration k's row is paired with the warm start's
+    final/ one, in report_table's table for iteration k (rows are hand-made); bad iterations are one-line errors."""
+    from nlac_jax.experiments.config import UnitScaleConfig
+    from nlac_jax.experiments.unit_scale import final_table, report_table
+    warm = [{"iteration": 0, "final/success_rate": 0.5, "final/num_episodes": 400}]
+    nlac = [{"iteration": 0}, {"at1/success_rate": 0.6, "at1/num_episodes": 400},
+            {"final/success_rate": 0.7, "final/num_episodes": 400}]
+    results = {"warm_start": {1: warm}, "nlac": {1: nlac}}
+    at = [c.strip() for c in final_table(results, "at1/").splitlines()[2].split("|")[1:-1]]
+    # +10 points at iteration 1, SE 100 * sqrt(.6 * .4 / 400 + .25 / 400) = 3.50; the final table's own: +20
+    assert at == ["nlac", "[400]", "0.600", "0.600", "+10.0", "+10.0", "3.5"], at
+    assert [c.strip() for c in final_table(results).splitlines()[3].split("|")[1:-1]][4] == "+20.0"
+    table = report_table(results, {"warm_start": {1: 1.0}, "nlac": {1: 1.0}}, None,
+                         (("eval/success_rate", "held-out success"),), {})
+    assert "after iteration 1 (`UnitScaleConfig.final_eval_at`)" in table and table.count("| nlac |") == 3, table
+    for bad in ((0,), (8,), (True,)):
+        with pytest.raises(ValueError, match=r"final_eval_at: .* not iterations in 1\.\.7"):
+            UnitScaleConfig(iterations=8, final_eval_at=bad, final_eval_episodes=10)
+    with pytest.raises(ValueError, match="final_eval_at needs final_eval_episodes > 0"):
+        UnitScaleConfig(iterations=8, final_eval_at=(4,))
+
+
 def test_warm_role_repeat_lists_a_role_k_times_and_rejects_bad_values():
     from nlac_jax.experiments.config import UnitScaleConfig
     from nlac_jax.experiments.corpus import CorpusExample
