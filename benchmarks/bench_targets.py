@@ -31,7 +31,7 @@ Reported:
   must be identical on every path;
 * rollout: the policy's calls while the gold scripts play (one per turn, one prompt per episode still running),
   the tokens the sampler prefills with each call's common prefix kept across calls and with each turn's prompts
-  kept for the next turn (`Sampler._keep_prompts`, trunk_rows=8), and a perfect prefix cache's; with
+  kept for the next turn (`StartCaches.keep_prompts`, trunk_rows=8), and a perfect prefix cache's; with
   --time_rollout those calls replayed through the sampler in each of --modes, as --time_targets does;
 * train step: tokens presented (Σ prompt + target), tokens computed and slots (B x T, padding included) for
   `batching.pack_train_batches` unpacked and prefix-tree packed (`training.prefix_packing`, LoopConfig.share_prefixes), with
@@ -65,17 +65,17 @@ def trie_tokens(seqs) -> int:
 def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_rows: int = 0,
                            prefix_store: int = 0) -> int:
     """Prompt tokens `sampling.Sampler` prefills for these role calls (one `generate` call each, as
-    `nlac.model_roles` makes them), as `Sampler._starts` plans them for a fresh sampler: per call, the prompts'
+    `nlac.model_roles` makes them), as `StartCaches.plan` plans them for a fresh sampler: per call, the prompts'
     shared prefix once (`prefix_to_share` of their common prefix; with prefix_store > 0 not at all when one of the
     last prefix_store prefixes computed was the same tokens under the same parameter set, θ or θ̄, as
-    `Sampler._prefix_cache` keeps them), with trunk_rows > 0 the trunks of `plan_trunks` (at most trunk_rows
+    `StartCaches.prefix_cache` keeps them), with trunk_rows > 0 the trunks of `plan_trunks` (at most trunk_rows
     groups, min_trunk = min_shared_prefix, the rests' width from the call's prompt bucket) once, or with
     prefix_store > 0 none when the trunks of one of the last prefix_store calls that computed trunks (same
-    parameter set and common prefix) leave less to prefill (`plan_from_trunks`, as `Sampler._starts` chooses), and
+    parameter set and common prefix) leave less to prefill (`plan_from_trunks`, as `StartCaches.plan` chooses), and
     each distinct prompt's remaining rest once (n samples of a prompt: once); a call that prefilled no trunks of its
-    own keeps its prompts as a trunk set (`Sampler._keep_prompts`: a rollout's next turn starts from them); a call
+    own keeps its prompts as a trunk set (`StartCaches.keep_prompts`: a rollout's next turn starts from them); a call
     of one prompt (a rollout's tail) starts from the kept trunk set or common prefix it extends that holds the most
-    of it (`Sampler._one_prompt_start`; a trunk set only where a call of two or more prompts at the same prompt
+    of it (`StartCaches.one_prompt_start`; a trunk set only where a call of two or more prompts at the same prompt
     bucket and common prefix compiled its grid)."""
     from nlac_jax import text
     from nlac_jax.sampling import plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length, trunk_grid
@@ -130,7 +130,7 @@ def sampler_prefill_tokens(calls, tokenizer, min_shared_prefix: int = 64, trunk_
 
 
 def _one_prompt_start(prompt, params, bucket, stored, trunk_sets, grids, trunk_rows, min_shared_prefix, prefix_store):
-    """`sampler_prefill_tokens`' model of `Sampler._one_prompt_start`: (the prompt's tokens its start holds, the
+    """`sampler_prefill_tokens`' model of `StartCaches.one_prompt_start`: (the prompt's tokens its start holds, the
     store's prefixes, its trunk sets, both updated: a one-prompt call that starts from a trunk set keeps its own
     prompt as one, and a common prefix it starts from becomes the newest) or None (nothing kept that it extends)."""
     from nlac_jax.sampling import plan_from_trunks, trunk_grid
@@ -160,7 +160,7 @@ def _one_prompt_start(prompt, params, bucket, stored, trunk_sets, grids, trunk_r
 
 
 def _kept_set(key, rests, grid, trunk_rows):
-    """The trunk set a call that prefilled no trunks of its own keeps (`Sampler._keep_plan`): key + (the longest
+    """The trunk set a call that prefilled no trunks of its own keeps (`StartCaches.keep_plan`): key + (the longest
     trunk_rows rests a grid width holds, in prompt order; the smallest grid width that holds them), or None."""
     fits = sorted((i for i, r in enumerate(rests) if grid and len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))
     if not (trunk_rows and fits):
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
     print(f"\nrollout (the policy's calls while the episodes were played: {roll['calls']} turns, {roll['prompts']} "
           f"prompts, {presented:,} prompt tokens presented)")
     for name, key in (("each call's common prefix, kept across calls (the default)", "store"),
-                      ("and each turn's prompts kept for the next turn (trunk_rows=8, Sampler._keep_prompts)",
+                      ("and each turn's prompts kept for the next turn (trunk_rows=8, StartCaches.keep_prompts)",
                        "trunks_store")):
         print(f"  {name}: the sampler prefills {roll[key]:,} ({roll[key] / presented:.1%})")
     print(f"  a perfect prefix cache over the rollout would compute {roll['trie']:,} "

@@ -166,11 +166,11 @@ def _prefill_flops(cfg, tokens: float, first_key: float) -> float:
 
 def rollout_kept(w: Workload, trunk_rows: int, in_flight: int) -> float:
     """Transcript tokens a rollout prompt (the mean over an episode's turns) starts from the last turn's kept
-    prompt instead of prefilling (`sampling.Sampler._keep_prompts`): turn t's prompt holds t turns after the head and
+    prompt instead of prefilling (`sampling.StartCaches.keep_prompts`): turn t's prompt holds t turns after the head and
     keeps the t - 1 of turn t - 1's, so an episode of T turns keeps turn_tokens (T - 1)(T - 2) / 2 of its
     turn_tokens T (T - 1) / 2, for the share of the `in_flight` episodes the `trunk_rows` kept rows hold. Nothing
     when fewer than two episodes share a call: a call of one prompt starts from what a call of two or more kept
-    (`Sampler._one_prompt_start`), and with one episode in flight no call ever holds two."""
+    (`StartCaches.one_prompt_start`), and with one episode in flight no call ever holds two."""
     if in_flight < 2 or w.turns <= 2 or not w.turn_tokens:
         return 0.0
     covered = min(1.0, trunk_rows / in_flight)

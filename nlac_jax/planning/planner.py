@@ -175,7 +175,7 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     from that prefix cache (at the shortest shared prefix, `min_shared_prefix`: the widest rests); with
     `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid), the prefill from the
     trunks' cache (at the narrowest trunk: the widest rests) and the G prompt rows a call without trunks of its own
-    keeps from its prefilled cache (`Sampler.pack`, `_keep_prompts`). The start caches are arguments of the executables
+    keeps from its prefilled cache (`Sampler.pack`, `StartCaches.keep_prompts`). The start caches are arguments of the executables
     that read them, so their bytes are in the table; what is not planned: continuous batching's refill and its
     kept prompts (`Sampler.keep_into`), which the loop runs when a call has more prompts than
     `sampler_max_batch` (a refill prefills fewer rows than the one-batch prefill planned here). [] when the sampler shares nothing here (no minimum, a sliding-window config, or a bucket too
@@ -233,7 +233,7 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
             out.append(ex)
             ex, from_trunks_c = prefill("prefill from trunks", abstract(trunk_c), G, prompt - shortest - grid[0])
             out.append(ex)
-            # a call without trunks of its own keeps G of its prompts' rows for the next call (Sampler._keep_prompts)
+            # a call without trunks of its own keeps G of its prompts' rows for the next call (StartCaches.keep_prompts)
             args = (abstract(from_trunks_c).cache, rows(G), jax.ShapeDtypeStruct((), jnp.int32))
             ex, _ = compile_one(f"{label} keep prompts", f"B={batch} kept={G} cache={cache_len}",
                                 lambda: sampler.pack.lower(*args))

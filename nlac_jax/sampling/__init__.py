@@ -93,7 +93,7 @@ Design
   (`requests.plan_from_trunks`). Kept caches are fitted to each call's cache length (`decode.fit_impl`, a copy),
   whether kept or just computed, so hits never change what is compiled. `release()` empties the store (the loop
   does, before each train step).
-* A rollout's turns (`Sampler._keep_prompts`, with trunks and the store): a one-batch call that prefilled no trunks
+* A rollout's turns (`StartCaches.keep_prompts`, with trunks and the store): a one-batch call that prefilled no trunks
   of its own (one prompt per episode: nothing beyond the common prefix is shared, so no trunk forms) keeps up to
   `trunk_rows` of its prompts (the longest) as a trunk set: their prefilled cache rows, each row's real slots
   moved to the left (`decode.pack_impl`: keys are stored after RoPE and attention reads the mask only, so this
@@ -103,7 +103,7 @@ Design
   rollout (`benchmarks/bench_targets.py`): 38.4% of the prompt tokens presented prefilled with the common prefix
   kept across calls, 12.5% with the turns kept (a perfect prefix cache: 9.9%). A call of one prompt (a single
   episode still runs: nothing to share within the call) starts from the kept trunk set or common prefix it extends
-  that holds the most of it (`Sampler._one_prompt_start`). `pack` compiles once per prefilled-cache shape, the
+  that holds the most of it (`StartCaches.one_prompt_start`). `pack` compiles once per prefilled-cache shape, the
   first time it is seen. Continuous batching keeps them too: each refill's kept prompts are packed into a G-row set right after the refill
   prefilled them (`decode.keep_into_impl`, before the next decode donates the state).
 * Trunks (`Sampler(trunk_rows=8)`, off by default): a prefix tree of depth two per call. `requests.plan_trunks`
@@ -112,14 +112,15 @@ Design
   every prompt starts from its trunk's row with the row's later tokens masked (`decode.prefix_rows`), keeping its
   common prefix with the trunk; its rest is prefilled in the call's own prompt bucket minus a width of the grid
   (two widths per power of two, `requests.trunk_grid`): the widest grid value from the trunks' width up that still
-  holds every rest (`sampler._widest`), so short rests take few slots, and only widths whose prefill the grid
+  holds every rest (`starts._widest`), so short rests take few slots, and only widths whose prefill the grid
   compiled (trunk rows no group takes go to the longest prompts in no group, as groups of one, so that a long lone
   prompt does not cap every trunk's width). Equal outputs as above. The width a call takes
   depends on its data, so the first call of two or more prompts at a bucket compiles the trunk and prefill
   executables of every grid width there (lowered only; one trunk run on placeholder rows): no later call at that
   bucket compiles, and a plan never depends on what the process compiled before. Continuous batching's refills
-  still compile a new rest width as it comes with trunks (the loop runs continuous calls whenever a call has more
-  prompts than `LoopConfig.sampler_max_batch`, e.g. a pod's 256-episode rollouts through 32-row calls).
+  compile every rest width of the grid the first time a call's slot and refill shapes are seen
+  (`StartCaches.compile_refills`; the loop runs continuous calls whenever a call has more prompts than
+  `LoopConfig.sampler_max_batch`, e.g. a pod's 256-episode rollouts through 32-row calls).
 * Sampling (`select_tokens`): greedy = argmax (first index on ties, like torch). Otherwise logits / temperature,
   then top-k, then top-p on the renormalised top-k distribution (transformers' order), then Gumbel-max with a key
   folded from (call key, column, row): reproducible for a given key, independent of the batch bucket.

@@ -1,8 +1,9 @@
 """The public host-side API: `Sampler` (compiled prefill + decode for one config and mesh), `get_sampler`, `generate`.
 
-Host work only: the sampler's jitted functions and its run-layout weights, buckets and padding, and the start of a
-call (one batch, or continuous batching over fixed slots, each from a shared prefix's cache). What a call asks for
-is checked and prepared in `requests` (arguments, prompt encoding, the context-overflow policy, stop strings, the
+Host work only: the sampler's jitted functions and its run-layout weights, buckets and padding, and the two ways a
+call runs (one batch, or continuous batching over fixed slots). Where each call's prefill starts (a shared prefix,
+trunks, what the store keeps across calls) is decided in `starts`. What a call asks for is checked and prepared in
+`requests` (arguments, prompt encoding, the context-overflow policy, stop strings, the
 shared prefix); the decode's slot schedule (refills, collection, the drain's compaction) is in `slots`; turning its
 buffers into a `GenerateOutput` is in `output`; the compiled code is in `decode`.
 """
@@ -27,10 +28,10 @@ from nlac_jax.sampling.decode import (MIN_STOP_SLOTS, compact_impl, controls, de
                                       keep_into_impl, pack_impl, prefill_impl, prefix_impl, refill_impl,
                                       trunk_impl)
 from nlac_jax.sampling.requests import (_MIN_SHARED_PREFIX, apply_overflow, as_key, check_sampling_args, encode_prompts,
-                                        plan_from_trunks, plan_trunks, prefix_to_share, shared_prefix_length,
-                                        stop_table, trunk_grid)
+                                        shared_prefix_length, stop_table)
 from nlac_jax.sampling.output import GenerateOutput, finish_rows
-from nlac_jax.sampling.slots import on_device, pad_rows, run_slots
+from nlac_jax.sampling.slots import pad_rows, run_slots
+from nlac_jax.sampling.starts import StartCaches
 from nlac_jax.text import bucket_length  # the one bucketing rule (prompts, batches, budgets)
 
 log = logging.getLogger(__name__)
@@ -71,24 +72,21 @@ class Sampler:
         # Full-attention configs only: a sliding window is measured in cache slots, which the padded gap between
         # the prefix and each prompt's rest would skew.
         self.min_shared_prefix = max(0, int(min_shared_prefix))
-        # prefix_store: the last this-many shared prefixes' caches are kept across calls, each with the parameter
-        # tree it was computed from (0: none kept). A call whose shared prefix (`_pick_shared`: the same tokens)
+        # prefix_store: the last this-many shared prefixes' caches are kept across calls, each with the parameter tree
+        # it was computed from (0: none kept). A call whose shared prefix (`StartCaches.pick_shared`: the same tokens)
         # was computed under the same tree reuses it instead of prefilling it again: in an NLAC targets phase every
-        # role's call starts with the environment's system prompt, and a rollout's turns too. Kept at the prefix's
-        # own length and fitted to each call's cache length (`fit_impl`: a copy), so which call hits the store
-        # never changes what is compiled. `release()` empties it, as it drops the trees it was computed from.
-        # Trees are matched by identity: with a mesh, pass them already laid out (`models.param_shardings`, as the
-        # loop's θ and θ̄ are); a tree the call has to place is a new tree at every call and finds nothing kept.
-        # With trunk_rows, as many trunk sets are kept too: a call whose prompts share more with an earlier call's
-        # trunks (same tree, same common prefix; in a targets phase, the same episodes' transcripts read by another
-        # role) than its own trunks would save starts from them (`requests.plan_from_trunks`) and prefills none.
-        # A call that prefilled no trunks of its own keeps its prompts as a trunk set (`_keep_plan`: up to
-        # trunk_rows of them, the longest; continuous batching packs each refill's as it goes), so a rollout's next
-        # turn, whose prompts extend this turn's, prefills only the action and the new observation.
+        # role's call starts with the environment's system prompt, and a rollout's turns too. Kept at the prefix's own
+        # length and fitted to each call's cache length (`fit_impl`: a copy), so which call hits the store never changes
+        # what is compiled. `release()` empties it, as it drops the trees it was computed from. Trees are matched by
+        # identity: with a mesh, pass them already laid out (`models.param_shardings`, as the loop's θ and θ̄ are); a
+        # tree the call has to place is a new tree at every call and finds nothing kept. With trunk_rows, as many trunk
+        # sets are kept too: a call whose prompts share more with an earlier call's trunks (same tree, same common
+        # prefix; in a targets phase, the same episodes' transcripts read by another role) than its own trunks would
+        # save starts from them (`requests.plan_from_trunks`) and prefills none. A call that prefilled no trunks of its
+        # own keeps its prompts as a trunk set (`StartCaches.keep_plan`: up to trunk_rows of them, the longest;
+        # continuous batching packs each refill's as it goes), so a rollout's next turn, whose prompts extend this
+        # turn's, prefills only the action and the new observation.
         self.prefix_store = max(0, int(prefix_store))
-        self._stored: list = []  # [(leaf ids, parameter tree, prefix tokens, cache)], newest first
-        self._trunk_sets: list = []  # [(leaf ids, tree, prefix tokens, trunk tokens, width, cache)], newest first
-        self._prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
         # trunk_rows: > 0 shares more than the common prefix: prompts whose rests share at least `min_trunk` more
         # tokens form groups (at most trunk_rows, those that save the most), each prefilled once up to its longest
         # member (a trunk), and each prompt keeps its common prefix with that trunk (`requests.plan_trunks`: in an RL
@@ -99,16 +97,6 @@ class Sampler:
         # shared prefix) compiles a trunk and a prefill executable per grid width (2 log2(width / min_trunk) each),
         # so that no later call there compiles, whatever width its data asks for.
         self.trunk_rows, self.min_trunk = max(0, int(trunk_rows)), max(1, int(min_trunk))
-        # (prompt bucket, new-token bucket, shared prefix) -> the trunk widths there: the whole grid of
-        # `requests.trunk_grid`, whose executables are compiled by the first call there (`_starts`, `_one_batch`),
-        # so a later call finds every width it may plan compiled, and a plan does not depend on what this process
-        # compiled before (a resumed run plans as the uninterrupted one)
-        self._trunk_widths: dict = {}
-        # the same keys -> (grid, the trunks' cache, the common prefix's cache or None) as shapes and shardings
-        # (`_shapes`): what `_compile_rests` lowers the rest widths' prefill and refill executables against, so a
-        # continuous call (refills) at buckets a one-batch call saw first still compiles every width at once
-        self._rest_shapes: dict = {}
-        self._refill_shapes: set = set()  # (slots, buckets, shared, refill prompts, n) whose refills are compiled
         platform = next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
         if layer_loop == "auto":
             layer_loop = "unrolled" if (not cfg.scan_layers or platform == "cpu") else "scan"
@@ -169,7 +157,6 @@ class Sampler:
             return keep_into_impl(kept, cache, slots, dest, index)
 
         self.keep_into = jax.jit(sampler_keep, donate_argnums=(0,))
-        self._pack_shapes: set = set()  # the shapes whose `pack` / `keep_into` executable is compiled (_keep_plan)
         # The unrolled loop also fuses gate/up and q/k/v into one matmul each (decoder.fuse_projections); q/k/v
         # only without tensor parallelism, whose 'heads' and 'kv_heads' shards a concatenation would mix.
         fuse_qkv = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
@@ -183,6 +170,7 @@ class Sampler:
         else:
             self._to_layout = jax.jit(to_layout)
         self._layouts: list = []  # [(leaf ids, source tree, tree in the run layout)], newest first
+        self.starts = StartCaches(self)  # where each call starts, and the store across calls
 
     # ------------------------------------------------------------------ helpers
     def _mesh_ctx(self):
@@ -243,7 +231,7 @@ class Sampler:
         """Empty the prefix store (`prefix_store`: kept prefixes and trunk sets), keeping the run-layout trees: the
         next call computes every prefix it shares (e.g. a benchmark that times one call, not a call after its
         twin)."""
-        self._stored, self._trunk_sets = [], []
+        self.starts.forget()
 
     def buckets(self, batch: int, longest_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch bucket, prompt bucket, new-token bucket) for these sizes."""
@@ -351,101 +339,6 @@ class Sampler:
             return 0
         return shared_prefix_length(prompts, self.min_shared_prefix)
 
-    def _pick_shared(self, common: int, prompt_bucket: int, new_bucket: int) -> int:
-        """`prefix_to_share` for a call at these buckets, remembered for the next calls."""
-        used = self._prefix_lengths.setdefault((prompt_bucket, new_bucket), set())
-        L = prefix_to_share(common, sorted(used), self.min_shared_prefix)
-        if L:
-            used.add(L)
-        return L
-
-    def _prefix_cache(self, params, prefix: list, cache_len: int):
-        """(the cache of `cache_len` slots holding the shared `prefix` (unpadded) in its first len(prefix) slots,
-        on D = data-parallel rows; the tokens prefilled for it: 0 when the store held it under these parameters);
-        (None, 0) without a prefix. Computed at exactly len(prefix) slots and fitted to `cache_len`, stored or not:
-        one path, so the executables a call runs do not depend on what the store holds."""
-        if not prefix:
-            return None, 0
-        ids_, tokens = _tree_ids(params), tuple(prefix)
-        for i, (known, _tree, toks, cache) in enumerate(self._stored):
-            # the entry holds its tree, so its leaves' ids cannot have been reused by other arrays
-            if known == ids_ and toks == tokens:
-                self._stored.insert(0, self._stored.pop(i))
-                return self.fit(cache, cache_len=cache_len), 0
-        D = self.data_parallel
-        ids, mask = self.device_rows(*pad_rows([prefix] * D, D, len(prefix)))
-        cache = self.prefix(params, ids, mask, cache_len=len(prefix))
-        if self.prefix_store:
-            self._stored = [(ids_, params, tokens, cache)] + self._stored[:self.prefix_store - 1]
-        return self.fit(cache, cache_len=cache_len), len(prefix)
-
-    def _starts(self, params, prompts, Tb: int, Nb: int, common: int):
-        """Where each prompt's prefill starts, for a call at buckets (Tb, Nb): the common prefix's `shared` tokens
-        prefilled once (`_pick_shared`, D rows), then, with `trunk_rows`, the trunks of `requests.plan_trunks`
-        (one row per group, `trunk_rows` rows; never for sliding-window configs, as the common prefix). Returns
-        (rests: each prompt's tokens still to prefill, their slot width, the start cache or None, src [U] int32 or
-        None (the cache row of each prompt; None: a prompt takes the copy on its own data-parallel shard), keep [U]
-        int32 (real tokens it keeps of that row), shared, tokens prefilled by the common prefix (none when
-        `prefix_store` held it) and the trunks, the slots those prefills ran (D rows of the prefix, the trunk rows
-        at their width), fresh, own). fresh: None, or at the first call with trunks at these
-        buckets and shared length, (the grid of trunk widths, whose trunk executables this call compiled, a trunks'
-        cache and the common prefix's cache or None, as `_shapes`) for `_compile_rests` (`_rest_shapes`). own: whether the call
-        prefilled trunks of its own (`_keep_prompts` keeps the prompts of a call that did not)."""
-        cache_len, D = Tb + Nb, self.data_parallel
-        if len(prompts) == 1 and self.prefix_store and not self.cfg.has_sliding_layers:
-            hit = self._one_prompt_start(params, prompts[0], Tb, Nb)
-            if hit is not None:  # (a miss: the prompt shares with nothing kept; it prefills as before)
-                shared, grid, plan, cut = hit
-                rests, width, keep = [prompts[0][shared:]], Tb - shared, np.full((1,), shared, np.int32)
-                if plan is None:  # a kept common prefix only
-                    cache, _ = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
-                    return rests, width, cache, None, keep, shared, 0, 0, None, False
-                left = plan.rests(rests)
-                return (left, width - _widest(grid, plan.width, width, left), self.fit(cut, cache_len=cache_len),
-                        plan.group, keep + plan.keep, shared, 0, 0, None, False)
-        shared = self._pick_shared(common, Tb, Nb)
-        cache, computed = self._prefix_cache(params, list(prompts[0][:shared]), cache_len)
-        rests, width = [p[shared:] for p in prompts], Tb - shared
-        keep = np.full((len(prompts),), shared, np.int32)
-        G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // D) * D
-        if not G or len(prompts) < 2:  # (one prompt: nothing to share, and no grid compiled for it)
-            return rests, width, cache, None, keep, shared, computed, computed * D, None, False
-        start = None
-        if cache is not None:
-            src, kept = self.device_rows((np.arange(G) * D // G).astype(np.int32), np.full((G,), shared, np.int32))
-            start = dict(cache=cache, src=src, keep=kept)
-        fresh = None
-        if (Tb, Nb, shared) not in self._trunk_widths:  # which width a later call plans depends on its data
-            grid = self._trunk_widths[(Tb, Nb, shared)] = tuple(trunk_grid(self.min_trunk, width))
-            for w in grid[1:]:
-                self.trunk.lower(params, *self.device_rows(*pad_rows([], G, w)), start, cache_len=cache_len).compile()
-            if grid:  # one run on placeholder rows: a trunks' cache exactly as the prefill will be given one
-                trunks = self.trunk(params, *self.device_rows(*pad_rows([], G, grid[0])), start, cache_len=cache_len)
-                if self.prefix_store:  # kept trunks are cut to their filled slots and fitted back, at every width
-                    for w in grid:
-                        self.fit(self.fit(trunks, cache_len=shared + w), cache_len=cache_len)
-                fresh = self._rest_shapes[(Tb, Nb, shared)] = (grid, _shapes(trunks), _shapes(cache))
-        grid = self._trunk_widths[(Tb, Nb, shared)]
-        plan = plan_trunks(rests, width, self.min_trunk, grid, max_trunks=G) if grid else None
-        kept = self._kept_trunks(params, prompts[0][:shared], rests, width, grid, plan)
-        if kept is not None:  # an earlier call's trunks leave less to prefill: start from them
-            old, trunks = kept
-            left = old.rests(rests)
-            return (left, width - _widest(grid, old.width, width, left), self.fit(trunks, cache_len=cache_len),
-                    old.group, keep + old.keep, shared, computed, computed * D, fresh, False)
-        if plan is None:
-            return rests, width, cache, None, keep, shared, computed, computed * D, fresh, False
-        ids, mask = self.device_rows(*pad_rows([list(t) for t in plan.trunks], G, plan.width))
-        cache = self.trunk(params, ids, mask, start, cache_len=cache_len)
-        if self.prefix_store:  # kept at the slots it fills (common prefix + trunk width) and fitted back
-            cut = self.fit(cache, cache_len=shared + plan.width)
-            self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]), plan.trunks, plan.width,
-                                 cut)] + self._trunk_sets[:self.prefix_store - 1]
-            cache = self.fit(cut, cache_len=cache_len)
-        left = plan.rests(rests)
-        return (left, width - _widest(grid, plan.width, width, left), cache, plan.group, keep + plan.keep, shared,
-                computed + sum(map(len, plan.trunks)), computed * D + G * plan.width, fresh, True)
-
     def rest_width(self, rests: Sequence[list], width: int, start) -> int:
         """The slot width each prompt's rest is prefilled in, after a start cache (`_starts`): `width` (the prompt
         bucket minus the shared prefix) or, when the rests are short, the power of two that holds the longest
@@ -457,118 +350,6 @@ class Sampler:
         if start is None or self.trunk_rows or not rests:
             return width
         return min(width, bucket_length(max(map(len, rests)), self.min_prompt_bucket))
-
-    def _one_prompt_start(self, params, prompt, Tb: int, Nb: int):
-        """Where a call of one prompt starts (a rollout's tail, where one episode still runs: nothing is shared
-        within the call, so neither a common prefix nor trunks form): from what the store keeps under these
-        parameters that the prompt extends, whichever leaves the least to prefill: a trunk set (the last turn's
-        prompts, `_keep_prompts`) whose common prefix the prompt starts with and whose trunk widths this call's
-        buckets compiled (`_trunk_widths`), or a kept common prefix (the environment's system prompt). Returns
-        (shared, the trunk grid, the plan over the set's rows (`plan_from_trunks`) or None for a common prefix,
-        the set's cut cache or None), or None when nothing kept is a prefix of the prompt. A trunk set used
-        becomes the newest."""
-        ids_, best, saved = _tree_ids(params), None, 0  # saved: the prompt's tokens its start cache holds
-        for i, (known, _tree, toks, trunks, w, cut) in enumerate(self._trunk_sets):
-            L = len(toks)
-            grid = self._trunk_widths.get((Tb, Nb, L), ())
-            if known != ids_ or L >= len(prompt) or tuple(prompt[:L]) != toks or w not in grid:
-                continue
-            plan = plan_from_trunks([prompt[L:]], trunks, Tb - L, w)
-            if plan is not None and L + int(plan.keep[0]) > saved:
-                saved, best = L + int(plan.keep[0]), (L, grid, plan, cut, i)
-        for known, _tree, toks, _cache in self._stored:
-            L = len(toks)
-            if known == ids_ and saved < L < len(prompt) and tuple(prompt[:L]) == toks:
-                saved, best = L, (L, (), None, None, None)
-        if best is None:
-            return None
-        if best[4] is not None:
-            self._trunk_sets.insert(0, self._trunk_sets.pop(best[4]))
-        return best[:4]
-
-    def _kept_trunks(self, params, prefix, rests, width: int, grid, plan):
-        """(the plan over kept trunks, their cut cache) when one of `_trunk_sets` (same parameter tree and common
-        `prefix`, a trunk width of this call's `grid`: its prefill is compiled) leaves no more to prefill than
-        `plan` (this call's own trunks, or None) would with its trunks; the kept set becomes the newest. Else None."""
-        if not self._trunk_sets:
-            return None
-        ids_, prefix = _tree_ids(params), tuple(prefix)
-        cost = plan.tokens(rests) if plan is not None else sum(map(len, rests))
-        best = None
-        for i, (known, _tree, toks, trunks, w, cut) in enumerate(self._trunk_sets):
-            if known != ids_ or toks != prefix or w not in grid:
-                continue
-            old = plan_from_trunks(rests, trunks, width, w)
-            if old is None:
-                continue
-            c = old.rest_tokens(rests)  # the kept trunks cost nothing
-            if c <= cost:
-                cost, best = c, (i, old, cut)
-        if best is None:
-            return None
-        i, old, cut = best
-        self._trunk_sets.insert(0, self._trunk_sets.pop(i))
-        return old, cut
-
-    def _keep_plan(self, prompts, shared: int, buckets, own: bool, compile_key=None, compile_fn=None):
-        """Which prompts a call keeps as a trunk set for the next call (`_trunk_sets`): with trunks and the store
-        on, when the call prefilled no trunks of its own (`own`): a rollout turn, whose episodes share nothing
-        beyond the common prefix, so no trunks form, while the next turn's prompts extend these. Up to
-        `trunk_rows` prompts, the longest rests that a grid width holds, at the smallest grid width w that holds
-        them; the next call finds the set as it finds kept trunks (`_kept_trunks`: same tree and common prefix, w
-        in its grid, and the least to prefill). Returns (the kept prompts' indices, ascending; w) or None.
-        compile_fn(): lowers and compiles the executable that keeps them (`pack` or `keep_into`) the first time
-        its shapes (`compile_key`) are seen, whether or not this call keeps anything, so which calls keep their
-        prompts never compiles later (the later calls' jit finds it)."""
-        G = 0 if self.cfg.has_sliding_layers else -(-self.trunk_rows // self.data_parallel) * self.data_parallel
-        grid = self._trunk_widths.get(tuple(buckets) + (shared,), ())
-        if not (G and self.prefix_store and grid):  # (one prompt too: a rollout's tail chains from turn to turn)
-            return None
-        if compile_fn is not None and compile_key not in self._pack_shapes:
-            self._pack_shapes.add(compile_key)
-            compile_fn()
-        if own:
-            return None
-        rests = [p[shared:] for p in prompts]
-        fits = sorted((i for i, r in enumerate(rests) if len(r) <= grid[-1]), key=lambda i: (-len(rests[i]), i))[:G]
-        if not fits:
-            return None
-        return sorted(fits), next(g for g in grid if g >= len(rests[fits[0]]))
-
-    def _store_kept(self, params, prompts, shared: int, chosen, w: int, kept) -> None:
-        """Keep `kept` (G rows: the `chosen` prompts' packed rows first, `pack_impl`) as a trunk set of width w."""
-        cut = self.fit(kept, cache_len=shared + w)
-        self._trunk_sets = [(_tree_ids(params), params, tuple(prompts[0][:shared]),
-                             tuple(tuple(prompts[i][shared:]) for i in chosen), w, cut)] + \
-            self._trunk_sets[:self.prefix_store - 1]
-
-    def _keep_prompts(self, params, cache, prompts, n: int, shared: int, buckets, own: bool) -> None:
-        """The one-batch path's kept prompts (`_keep_plan`), from its prefilled `cache` (rows i*n hold prompt i),
-        each row's valid slots packed to the left (`pack_impl`) and cut to the common prefix plus w."""
-        G = -(-self.trunk_rows // self.data_parallel) * self.data_parallel
-        plan = self._keep_plan(prompts, shared, buckets, own, compile_key=("pack",) + tuple(cache["mask"].shape),
-                               compile_fn=lambda: self.pack.lower(cache, self.device_rows(np.zeros((G,), np.int32))[0],
-                                                                  self.replicated(jnp.int32(0))).compile())
-        if plan is None:
-            return
-        chosen, w = plan
-        rows = np.full((G,), chosen[0] * n, np.int32)
-        rows[:len(chosen)] = np.asarray(chosen, np.int32) * n
-        (rows,) = self.device_rows(rows)
-        self._store_kept(params, prompts, shared, chosen, w,
-                         self.pack(cache, rows, self.replicated(jnp.int32(shared + w))))
-
-    def _compile_rests(self, fresh, width: int, rows: int, compile_one) -> None:
-        """Compile the executable that prefills `rows` prompt rows (`prefill`, or a continuous call's `refill`) for
-        every rest width a call at these buckets may take: the call's rest `width` minus each trunk width of the
-        grid (the start cache: the trunks'), and `width` itself (no plan: the common prefix's cache or none).
-        fresh: (grid, trunks, base) of `_rest_shapes`. compile_one(ids, mask, prefix) lowers and compiles the
-        call's own executable with these. Nothing runs; the later calls' jit finds the executables."""
-        grid, trunks, base = fresh
-        src, keep = self.device_rows(np.zeros((rows,), np.int32), np.zeros((rows,), np.int32))
-        for w, prefix in [(width - g, dict(cache=trunks, src=src, keep=keep)) for g in grid] + [
-                (width, self.prefix_arg(base, None, np.zeros((0,), np.int32), rows))]:
-            compile_one(*self.device_rows(*pad_rows([], rows, w)), prefix)
 
     def prefix_arg(self, cache, src, keep, rows: int):
         """The `prefix` argument of prefill / refill for `rows` prompt rows (src / keep: per real row, padded here
@@ -588,16 +369,16 @@ class Sampler:
     def _one_batch(self, params, prompts, n, max_new_tokens, key, ctl, common=0):
         """Every prompt (n rows each) in one bucketed batch: prefill, then decode until all rows are done (compacting
         the batch as rows finish). With n > 1 each prompt is prefilled once and copied to its n rows. With a
-        `common` prefix, the first `shared` tokens (`_pick_shared`) are prefilled once, into the first `shared`
-        slots of the prompt bucket (then the trunks, `_starts`), and each prompt's rest fills the other slots (same
-        cache length, same decode). Returns the per-row arrays, the rounds, the token slots, `shared`, the
-        prompt tokens prefilled and the prompt slots prefilled (padding included)."""
+        `common` prefix, the first `shared` tokens (`StartCaches.pick_shared`) are prefilled once, into the first
+        `shared` slots of the prompt bucket (then the trunks, `StartCaches.plan`), and each prompt's rest fills the
+        other slots (same cache length, same decode). Returns the per-row arrays, the rounds, the token slots,
+        `shared`, the prompt tokens prefilled and the prompt slots prefilled (padding included)."""
         P = len(prompts) * n
         Bb, Tb, Nb = self.buckets(P, max(len(p) for p in prompts), max_new_tokens)
         full = Tb
         whole = prompts
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, slots, fresh, own = self._starts(params, prompts, Tb,
-                                                                                             Nb, common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, slots, fresh, own = self.starts.plan(
+            params, prompts, Tb, Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         Ub = self.buckets(len(prompts), 1, 1)[0] if n > 1 else Bb
@@ -614,10 +395,11 @@ class Sampler:
         (live,) = self.device_rows(np.arange(Bb) < P)
         key, ctl, src = self.replicated((key, ctl, src))
         if fresh is not None:
-            self._compile_rests(fresh, full - shared, Ub, lambda i, m, pre: self.prefill.lower(
+            self.starts.compile_rests(fresh, full - shared, Ub, lambda i, m, pre: self.prefill.lower(
                 params, i, m, live, key, ctl, src, pre, new_bucket=Nb).compile())
         st = self.prefill(params, ids, mask, live, key, ctl, src, prefix, new_bucket=Nb)
-        self._keep_prompts(params, st.cache, whole, n, shared, (full, Nb), own)  # before decode donates the state
+        # the prompts kept for the next call, before the decode donates the state
+        self.starts.keep_prompts(params, st.cache, whole, n, shared, (full, Nb), own)
         holds = [b if b < P else -1 for b in range(Bb)]
         out = run_slots(self, params, st, ctl, prompts, 1, holds, Nb, nxt=P, refill_rows=0, slots_used=Bb, rows=P)
         return out[:-1] + (shared, prefilled, slots + Ub * Tb)
@@ -629,8 +411,8 @@ class Sampler:
         cache."""
         B, Tb, Nb = self.buckets(slots, max(len(p) for p in prompts), max_new_tokens)
         cache_len, whole, full = Tb + Nb, prompts, Tb
-        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, own = self._starts(params, prompts, Tb,
-                                                                                                Nb, common)
+        prompts, Tb, cache, psrc, pkeep, shared, prefilled, start_slots, _, own = self.starts.plan(
+            params, prompts, Tb, Nb, common)
         Tb = self.rest_width(prompts, Tb, cache)
         prefilled += sum(map(len, prompts))
         dp, per = self.data_parallel, n  # row r holds sample r % per of prompt r // per, whatever n becomes below
@@ -645,52 +427,12 @@ class Sampler:
             Ru -= dp
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
-        fresh, sig = self._rest_shapes.get((full, Nb, shared)), (B, full, Nb, shared, Ru, n)
-        if fresh is not None and sig not in self._refill_shapes:
-            # with trunks, a refill's rest width depends on its data (a grid width, `_widest`): compile them all
-            # the first time these shapes are seen, as the one-batch path does its prefills (the loop runs
-            # continuous calls whenever a call holds more prompts than LoopConfig.sampler_max_batch)
-            self._refill_shapes.add(sig)
-            R = Ru * n  # the arguments run_slots gives a refill
-            idx, rows, src = self.replicated((np.full((R,), B, np.int32), np.full((R,), -1, np.int32),
-                                              np.repeat(np.arange(Ru, dtype=np.int32), n) if n > 1 else None))
-            self._compile_rests(fresh, full - shared, Ru, lambda i, m, pre: self.refill.lower(
-                params, st, i, m, on_device(idx), on_device(rows), ctl, src, pre).compile())
-        on_refill, kept = None, {}
-        G = -(-self.trunk_rows // dp) * dp
-        if G:
-            # the prompts kept for the next call (`_keep_plan`), each packed from its slot right after the refill
-            # that prefilled it (before the next decode, which donates the state)
-            def empty_kept():
-                return self.empty(key, batch=G, cache_len=cache_len, new_bucket=Nb).cache
-
-            def compile_keep():
-                args = (empty_kept(), st.cache) + tuple(self.replicated(
-                    (np.zeros((Ru,), np.int32), np.zeros((Ru,), np.int32), jnp.int32(0))))
-                self.keep_into.lower(*args).compile()
-            plan = self._keep_plan(whole, shared, (full, Nb), own, compile_key=("keep", B, cache_len, Ru, G),
-                                   compile_fn=compile_keep)
-            if plan is not None:
-                kept["cache"] = empty_kept()
-                chosen, w = plan
-                dest_of = {int(p): i for i, p in enumerate(chosen)}
-                index = self.replicated(jnp.int32(shared + w))
-
-                def on_refill(state, idx, row_ids):
-                    slot, dest = np.zeros((Ru,), np.int32), np.full((Ru,), G, np.int32)  # dest G: dropped
-                    firsts = [(int(b), dest_of[int(r) // per]) for b, r in zip(idx, row_ids)
-                              if r >= 0 and r % per == 0 and int(r) // per in dest_of]
-                    for j, (b, d) in enumerate(firsts):
-                        slot[j], dest[j] = b, d
-                    if firsts:
-                        kept["cache"] = self.keep_into(kept["cache"], state.cache,
-                                                       *self.replicated((slot, dest)), index)
-                        kept["used"] = True
+        self.starts.compile_refills(params, st, (key, ctl), B, (full, Nb), shared, Ru, n)
+        on_refill, finish = self.starts.keeper(params, st, key, whole, per, shared, (full, Nb), own, B, Ru)
         out = run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
                         rows=len(prompts) * n, prompt_bucket=Tb,
                         prefix=None if cache is None else (cache, psrc, pkeep), on_refill=on_refill)
-        if kept.get("used"):
-            self._store_kept(params, whole, shared, chosen, w, kept["cache"])
+        finish()  # the prompts kept for the next call
         return out[:-1] + (shared, prefilled, start_slots + out[-1])
 
     __call__ = generate
@@ -703,30 +445,6 @@ class Sampler:
                 "decode": self.decode._cache_size(),
                 "empty": self.empty._cache_size(), "refill": self.refill._cache_size(),
                 "compact": self.compact._cache_size()}
-
-
-def _widest(grid, trunk_width: int, width: int, rests) -> int:
-    """Where the rests start after trunks `trunk_width` wide: the widest grid value g >= trunk_width that still
-    leaves every rest its slots (width - g >= the longest), so they are prefilled in width - g slots, a width whose
-    prefill `_compile_rests` compiled, instead of width - trunk_width: a rollout turn's rests are its new tokens,
-    a few hundred, where width - trunk_width may be thousands. The trunk cache's index stays at the trunk's end,
-    so the prefill writes right after it and the g - trunk_width slots after the rests are never written."""
-    need = max(map(len, rests), default=0)
-    return max([g for g in grid if trunk_width <= g <= width - need], default=trunk_width)
-
-
-def _shapes(tree):
-    """`tree`'s arrays as shapes, dtypes and shardings (jax.ShapeDtypeStruct): enough to lower an executable that
-    takes them, without holding their memory (a 7B model's trunk cache is gigabytes per chip)."""
-    # an uncommitted array (made on the default device, not placed) lowers without a sharding, as a call with it
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                                       sharding=a.sharding if a.committed else None), tree)
-
-
-def _tree_ids(tree) -> tuple:
-    """The ids of a parameter tree's leaves: what the store matches a tree by (an entry holds its tree, so the ids
-    cannot be reused by other arrays while it is kept)."""
-    return tuple(map(id, jax.tree.leaves(tree)))
 
 
 _SAMPLERS: dict = {}

@@ -37,7 +37,7 @@ def run_slots(sampler, params, st, ctl, prompts, n, holds, Nb, *, nxt, refill_ro
     each: fixed shapes), and once none waits, compact the batch to the rows still running. Returns per-row
     arrays in row order, decode rounds, token slots and the prompt slots the refills prefilled (rows x width,
     padding included). prefix: None, or (the start cache, the cache row of each prompt or None, the tokens each
-    prompt keeps of it: `Sampler._starts`). on_refill(state, slots, row ids): called after each refill, before the
+    prompt keeps of it: `StartCaches.plan`). on_refill(state, slots, row ids): called after each refill, before the
     state is decoded (and donated): the host arrays of the refill's entries (row id -1: unused)."""
     P, B, Ru = rows, len(holds), refill_rows
     top = B
@@ -120,7 +120,7 @@ def on_device(x):
     """A host array as a device array (one already on the devices as it is), copied without compiling anything:
     jnp.asarray compiles an eager copy (a 'stage' executable) for each new shape, which the loop counts as a
     compilation after iteration 1. The jitted functions see the same argument kind as the executables compiled
-    ahead of their calls (`compile_drain`, `Sampler._compile_rests`)."""
+    ahead of their calls (`compile_drain`, `StartCaches.compile_rests`)."""
     return x if isinstance(x, jax.Array) else jax.device_put(x)
 
 

@@ -171,7 +171,7 @@ def test_estimate_with_trunks_over_blocks_by_hand():
 
 
 def test_rollout_turns_kept_by_hand():
-    """With trunks and the store, a rollout turn starts from the last turn's kept prompts (Sampler._keep_prompts):
+    """With trunks and the store, a rollout turn starts from the last turn's kept prompts (StartCaches.keep_prompts):
     3-turn episodes of 64-token turns, 2 in flight: turn 2 keeps turn 1's 64 transcript tokens, so the 6 prompts
     (2 episodes x 3 turns) prefill 2 x 64 fewer; one kept row for the 2 episodes keeps half of that; one episode in
     flight, or no store, keeps nothing."""
