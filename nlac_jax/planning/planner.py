@@ -175,8 +175,8 @@ def compile_shared(label: str, sampler, cfg, mesh, params, batch: int, prompt: i
     from that prefix cache (at the shortest shared prefix, `min_shared_prefix`: the widest rests); with
     `trunk_rows`, the trunks (`Sampler.trunk`, G rows at the widest width of the grid), the prefill from the
     trunks' cache (at the narrowest trunk: the widest rests) and the G prompt rows a call without trunks of its own
-    keeps from its prefilled cache (`Sampler.pack`, `StartCaches.keep_prompts`). The start caches are arguments of the executables
-    that read them, so their bytes are in the table; what is not planned: continuous batching's refill and its
+    keeps from its prefilled cache (`Sampler.pack`, `StartCaches.keep_prompts`). The start caches are arguments of
+    the executables that read them, so their bytes are in the table; what is not planned: continuous batching's refill and its
     kept prompts (`Sampler.keep_into`), which the loop runs when a call has more prompts than
     `sampler_max_batch` (a refill prefills fewer rows than the one-batch prefill planned here). [] when the sampler shares nothing here (no minimum, a sliding-window config, or a bucket too
     short for any prefix)."""

@@ -420,8 +420,8 @@ def test_trunks_on_eight_devices_equal_one(qwen):
         before = compilations.snapshot()
         s.generate(params, ps2, max_new_tokens=12, stop_token_ids=())
         assert not compilations.since(before), compilations.since(before)
-    # a rollout's next turn from the last turn's kept prompts (`StartCaches.keep_prompts`: their rows packed across the data
-    # shards): the same tokens as one device without sharing, and only what the turn adds prefilled
+    # a rollout's next turn from the last turn's kept prompts (`StartCaches.keep_prompts`: their rows packed across
+    # the data shards): the same tokens as one device without sharing, and only what the turn adds prefilled
     head = _prompts(seed=4)[0][:PREFIX]
     rng = np.random.RandomState(5)
     episodes = [[3 + ep] + rng.randint(3, VOCAB - 3, 60).tolist() for ep in range(4)]
@@ -439,8 +439,8 @@ def test_trunks_on_eight_devices_equal_one(qwen):
 def test_a_rollouts_next_turn_starts_from_the_last_turns_prompts(qwen):
     """A rollout: each call holds one prompt per episode (nothing shared beyond the common prefix, so no trunks
     form), and each turn's prompts extend the last turn's. The sampler keeps a call's prompts as a trunk set
-    (`StartCaches.keep_prompts`), so each turn prefills only what its prompts add, by hand; greedy tokens equal the unshared
-    path's and transformers', sampled rows (n per prompt) the unshared path's; the later turns compile nothing;
+    (`StartCaches.keep_prompts`), so each turn prefills only what its prompts add, by hand; greedy tokens equal the
+    unshared path's and transformers', sampled rows (n per prompt) the unshared path's; the later turns compile nothing;
     continuous batching keeps each refill's prompts and gets the same counts."""
     hm, m = qwen
     rng = np.random.RandomState(21)
