@@ -427,7 +427,7 @@ class Sampler:
             Ru -= dp
         key, ctl = self.replicated((key, ctl))
         st = self.empty(key, batch=B, cache_len=cache_len, new_bucket=Nb)
-        self.starts.compile_refills(params, st, (key, ctl), B, (full, Nb), shared, Ru, n)
+        self.starts.compile_refills(params, st, ctl, B, (full, Nb), shared, Ru, n)
         on_refill, finish = self.starts.keeper(params, st, key, whole, per, shared, (full, Nb), own, B, Ru)
         out = run_slots(self, params, st, ctl, prompts, n, [-1] * B, Nb, nxt=0, refill_rows=Ru, slots_used=0,
                         rows=len(prompts) * n, prompt_bucket=Tb,

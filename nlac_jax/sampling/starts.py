@@ -29,9 +29,9 @@ class StartCaches:
         self.trunk_sets: list = []  # [(leaf ids, tree, prefix tokens, trunk tokens, width, cache)], newest first
         self.prefix_lengths: dict = {}  # (prompt bucket, new-token bucket) -> shared lengths compiled there
         # (prompt bucket, new-token bucket, shared prefix) -> the trunk widths there: the whole grid of
-        # `requests.trunk_grid`, whose executables are compiled by the first call there (`plan`, `Sampler._one_batch`),
-        # so a later call finds every width it may plan compiled, and a plan does not depend on what this process
-        # compiled before (a resumed run plans as the uninterrupted one)
+        # `requests.trunk_grid`, whose executables are compiled by the first call there (`plan`,
+        # `Sampler._one_batch`), so a later call finds every width it may plan compiled, and a plan does not depend
+        # on what this process compiled before (a resumed run plans as the uninterrupted one)
         self.trunk_widths: dict = {}
         # the same keys -> (grid, the trunks' cache, the common prefix's cache or None) as shapes and shardings
         # (`_shapes`): what `compile_rests` lowers the rest widths' prefill and refill executables against, so a
@@ -46,7 +46,7 @@ class StartCaches:
 
     def rows(self) -> int:
         """G: the trunk rows of a call (`trunk_rows` rounded up to the data-parallel degree); 0 for a
-        sliding-window config (it shares nothing beyond what fits its window)."""
+        sliding-window config (its window is measured in cache slots, which the gap after a trunk would skew)."""
         dp = self.s.data_parallel
         return 0 if self.s.cfg.has_sliding_layers else -(-self.s.trunk_rows // dp) * dp
 
@@ -260,7 +260,7 @@ class StartCaches:
                 (width, self.s.prefix_arg(base, None, np.zeros((0,), np.int32), rows))]:
             compile_one(*self.s.device_rows(*pad_rows([], rows, w)), prefix)
 
-    def compile_refills(self, params, st, key_ctl, B: int, buckets, shared: int, Ru: int, n: int) -> None:
+    def compile_refills(self, params, st, ctl, B: int, buckets, shared: int, Ru: int, n: int) -> None:
         """A continuous call's refills at every rest width (`compile_rests`) the first time its shapes are seen
         (state `st` of B slots, buckets (prompt, new-token), `Ru` prompts of n rows per refill): with trunks, a
         refill's rest width depends on its data (a grid width, `_widest`), so all are compiled at once, as the
@@ -271,7 +271,6 @@ class StartCaches:
         if fresh is None or sig in self.refill_shapes:
             return
         self.refill_shapes.add(sig)
-        _key, ctl = key_ctl
         R = Ru * n  # the arguments run_slots gives a refill
         idx, rows, src = self.s.replicated((np.full((R,), B, np.int32), np.full((R,), -1, np.int32),
                                             np.repeat(np.arange(Ru, dtype=np.int32), n) if n > 1 else None))
